@@ -1,0 +1,20 @@
+"""lins_dtensor: Lins sharding (independent P / G / OS placements) on FSDP2 and DTensor."""
+
+from lins_dtensor.mesh import LinsMesh, build_lins_mesh
+from lins_dtensor.optimizer import clip_grad_norm_, lins_optimizer
+from lins_dtensor.plan import LinsPlan, LinsPlanError, valid_plans
+from lins_dtensor.runtime import apply_lins
+from lins_dtensor.stats import LinsStats, lins_stats
+
+__all__ = [
+    "LinsMesh",
+    "LinsPlan",
+    "LinsPlanError",
+    "LinsStats",
+    "apply_lins",
+    "build_lins_mesh",
+    "clip_grad_norm_",
+    "lins_optimizer",
+    "lins_stats",
+    "valid_plans",
+]

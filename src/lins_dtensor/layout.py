@@ -1,0 +1,99 @@
+"""Where each parameter's shard sits inside a flat, padded communication buffer.
+
+Lins batches the tensors of one FSDP unit into one buffer per collective, as FSDP2
+does: every tensor is cut into ``k`` row chunks the way ``torch.chunk`` (and DTensor
+``Shard(0)``) cuts it, each chunk padded to ``ceil(rows / k)`` rows, and chunk ``j``
+of every tensor is placed in row ``j`` of a ``(k, chunk_numel)`` buffer. A
+reduce-scatter of that buffer leaves row ``j`` on group rank ``j``; an all-gather
+rebuilds it. The same geometry gives the planner its message sizes, so the bytes it
+predicts are the bytes the runtime sends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def chunk_rows(rows: int, k: int, index: int) -> int:
+    """Rows of chunk ``index`` when ``rows`` are cut into ``k`` chunks like torch.chunk."""
+    per_chunk = math.ceil(rows / k) if rows else 0
+    return max(0, min(per_chunk, rows - index * per_chunk))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """``k``-way chunking of tensors with ``rows[i]`` rows of ``row_numels[i]`` elements."""
+
+    rows: tuple[int, ...]
+    row_numels: tuple[int, ...]
+    k: int
+
+    @property
+    def padded_rows(self) -> tuple[int, ...]:
+        return tuple(math.ceil(r / self.k) if r else 0 for r in self.rows)
+
+    @property
+    def slot_numels(self) -> tuple[int, ...]:
+        """Elements of each tensor inside one chunk row (padding included)."""
+        return tuple(p * n for p, n in zip(self.padded_rows, self.row_numels))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, total = [], 0
+        for numel in self.slot_numels:
+            out.append(total)
+            total += numel
+        return tuple(out)
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of one chunk row: what each rank holds after a reduce-scatter."""
+        return sum(self.slot_numels)
+
+    @property
+    def total_numel(self) -> int:
+        """Elements of the whole buffer: reduce-scatter input / all-gather output."""
+        return self.k * self.chunk_numel
+
+    def chunk_rows(self, index: int) -> tuple[int, ...]:
+        """Real (unpadded) rows of each tensor in chunk ``index``."""
+        return tuple(chunk_rows(r, self.k, index) for r in self.rows)
+
+    def next_level(self, index: int, k: int) -> "ChunkLayout":
+        """The layout of chunk ``index`` cut again ``k`` ways (the next, finer state)."""
+        return ChunkLayout(self.chunk_rows(index), self.row_numels, k)
+
+    # ----- moving data in and out ----------------------------------------------------
+    def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Write ``tensors`` (each with ``rows[i]`` rows) chunked into ``out`` (flat)."""
+        grid = out.view(self.k, self.chunk_numel)
+        if self.k == 1:
+            for view, tensor in zip(self.views(out, 0), tensors):
+                view.copy_(tensor)
+            return out
+        flat_rows = [t.reshape(r, n) for t, r, n in zip(tensors, self.rows, self.row_numels)]
+        torch._chunk_cat(flat_rows, dim=0, num_chunks=self.k, out=grid)
+        return out
+
+    def views(self, chunk: torch.Tensor, index: int) -> list[torch.Tensor]:
+        """Views of each tensor's real rows inside one flat chunk row (chunk ``index``)."""
+        return [
+            chunk[offset : offset + rows * numel].view(rows, numel)
+            for offset, rows, numel in zip(self.offsets, self.chunk_rows(index), self.row_numels)
+        ]
+
+    def unpack(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each whole tensor (``rows[i]`` rows) inside an all-gathered buffer.
+
+        Chunks shorter than ``ceil(rows / k)`` only ever come last, so the padded rows
+        of all chunks read in order hold the real rows first: one strided view each.
+        """
+        grid = full.view(self.k, self.chunk_numel)
+        return [
+            grid[:, offset : offset + slot].reshape(-1, numel)[:rows]
+            for offset, slot, rows, numel in zip(self.offsets, self.slot_numels, self.rows, self.row_numels)
+        ]

@@ -1,0 +1,140 @@
+"""Any ``torch.optim`` optimizer on the fp32 masters, which live on the OS layout.
+
+The optimizer is a plain instance of the user's class over the master DTensors, so
+its states are created on the same placement (sharded s_os ways) and LR schedulers,
+``zero_grad`` and torchtitan's container treat it as usual. Step hooks do the Lins
+part: before the step the G buffers are reduced into the masters' gradients, after
+it the new values are all-gathered into the parameters. Its state dict is keyed by
+parameter FQN, so torch.distributed.checkpoint can reload it under another plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lins_dtensor import collectives
+from lins_dtensor.runtime import lins_state
+from lins_dtensor.schedule import GRAD_NORM_ALL_REDUCE
+
+class _StepHooks:
+    """Before the step: G buffers -> master gradients. After: masters -> parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.state = lins_state(model)
+        self.enabled = True
+
+    def before(self, optimizer, args, kwargs) -> None:
+        if self.enabled:
+            self.state.reduce_gradients()
+
+    def after(self, optimizer, args, kwargs) -> None:
+        if self.enabled:
+            self.state.finish_step()
+
+
+def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+    """``optimizer_cls(masters, **kwargs)`` wired to the Lins model ``model``."""
+    state = lins_state(model)
+    masters = state.masters()
+    optimizer = optimizer_cls(list(masters.values()), **kwargs)
+    hooks = _StepHooks(model)
+    optimizer.register_step_pre_hook(hooks.before)
+    optimizer.register_step_post_hook(hooks.after)
+    optimizer._lins_hooks = hooks  # type: ignore[attr-defined]
+    optimizer._lins_fqns = list(masters)  # type: ignore[attr-defined]
+    optimizer.register_state_dict_pre_hook(_init_state_if_empty)
+    optimizer.register_state_dict_post_hook(_keys_to_fqns)
+    optimizer.register_load_state_dict_pre_hook(_keys_from_fqns)
+    state.optimizer = optimizer
+    return optimizer
+
+
+def _init_state_if_empty(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer states before the first step, so that a fresh optimizer's
+    state dict can be loaded into (DCP loads in place): a zero-learning-rate step on
+    zero gradients, as torch.distributed.checkpoint.state_dict does, with the Lins
+    hooks off (no gradients to reduce, no values to spread)."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer._lins_hooks.enabled = False
+    try:
+        optimizer.step()
+    finally:
+        optimizer._lins_hooks.enabled = True
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+
+
+def _keys_to_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    fqns = optimizer._lins_fqns
+    state_dict["state"] = {fqns[i]: v for i, v in state_dict["state"].items()}
+    for group in state_dict["param_groups"]:
+        group["params"] = [fqns[i] for i in group["params"]]
+    return state_dict
+
+
+def _keys_from_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    index = {fqn: i for i, fqn in enumerate(optimizer._lins_fqns)}
+    state_dict = dict(state_dict)
+    state_dict["state"] = {index[k] if isinstance(k, str) else k: v for k, v in state_dict["state"].items()}
+    state_dict["param_groups"] = [
+        {**g, "params": [index[p] if isinstance(p, str) else p for p in g["params"]]} for g in state_dict["param_groups"]
+    ]
+    return state_dict
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of optimizer states (e.g. Adam's two moments) this rank holds."""
+    if optimizer is None:
+        return 0
+    total = 0
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of a Lins model by their global norm; returns the norm.
+
+    Call it between backward and ``optimizer.step()``. The model's own parameters carry
+    no gradients under Lins (they live in G buffers until the step), so
+    ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would see none: use this.
+    It reduces the gradients into the masters (the step then reuses them) and takes
+    the norm over the OS shards with one scalar all-reduce.
+    """
+    state = lins_state(model)
+    state.reduce_gradients()
+    grads = [m.grad.to_local() for unit in state.units for m in unit.masters if m.grad is not None]
+    norm_type = float(norm_type)
+    device = state.device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() if any(g.numel() for g in grads) else torch.zeros((), device=device)
+        total = local.float().reshape(1)
+        collectives.all_reduce(state.recorder, GRAD_NORM_ALL_REDUCE, total, None, op=dist.ReduceOp.MAX)
+        norm = total[0]
+    else:
+        local = sum((g.float().norm(norm_type) ** norm_type for g in grads if g.numel()), torch.zeros((), device=device))
+        total = local.reshape(1)
+        collectives.all_reduce(state.recorder, GRAD_NORM_ALL_REDUCE, total, None)
+        # Every OS shard is held by N / s_os replicas, each of which added it.
+        replicas = state.mesh.world_size // state.plan.optim
+        norm = (total[0] / replicas) ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef) if grads else None
+    return norm

@@ -1,0 +1,266 @@
+"""Which collective moves which state, on which group, how many bytes, how often.
+
+This module is the single description of Lins' communication. The runtime issues
+each collective through one of the :class:`CollectiveSpec` below (the spec names the
+mesh dim whose process group it runs on), and :func:`step_collectives` derives the
+bytes a training step must move from the same specs and the same buffer geometry
+(:mod:`lins_dtensor.layout`). The accounting tests check the runtime's recorded
+collectives against :func:`step_collectives`; the planner times them.
+
+Closed form, per rank and per step, for Φ parameters (padding aside), element sizes
+b_p (param dtype) and b_r (reduce dtype), M micro-batches, ring algorithm:
+
+* params  all-gather over s_p, forward and (if resharded) backward, every micro-batch:
+  message Φ·b_p, on the wire (s_p-1)/s_p · Φ·b_p each.
+* grads   reduce-scatter over s_p every micro-batch: Φ·b_r, wire (s_p-1)/s_p · Φ·b_r;
+  then reduce-scatter over s_g/s_p every micro-batch: Φ/s_p·b_r,
+  wire (1/s_p - 1/s_g) · Φ·b_r.
+* optim   once per step: reduce-scatter over s_os/s_g of Φ/s_g·b_r
+  (wire (1/s_g - 1/s_os)·Φ·b_r), all-reduce over N/s_os of Φ/s_os·b_r
+  (wire 2(1/s_os - 1/N)·Φ·b_r), then all-gathers of the updated values back to the P
+  layout: over s_os/s_g (Φ/s_g·b_p) and over s_g/s_p (Φ/s_p·b_p).
+
+Memory per rank: P Φ·b_p/s_p, G Φ·b_r/s_g, OS Φ·(4 + optimizer states)/s_os.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from lins_dtensor.layout import ChunkLayout
+from lins_dtensor.mesh import GRAD_SHARD, OPTIM_REPLICA, OPTIM_SHARD, PARAM_SHARD, mesh_shape
+from lins_dtensor.plan import LinsPlan
+
+
+class Op(str, enum.Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"  # once per micro-batch
+    BACKWARD = "backward"  # once per micro-batch
+    STEP = "step"  # once per optimizer step
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSpec:
+    """One kind of collective Lins issues.
+
+    ``layout`` names the level of :class:`UnitGeometry` whose buffer it moves; its
+    message is that layout's whole buffer (``total``), or one chunk row (``chunk``)
+    for the all-reduce. ``dtype`` is "param", "reduce" or "float32".
+    """
+
+    name: str
+    state: str
+    op: Op
+    mesh_dim: str | None  # None: the whole world
+    phase: Phase
+    dtype: str
+    layout: str
+
+
+PARAM_ALL_GATHER = CollectiveSpec("param_all_gather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.FORWARD, "param", "params")
+PARAM_REGATHER = CollectiveSpec("param_regather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.BACKWARD, "param", "params")
+GRAD_REDUCE_SCATTER = CollectiveSpec("grad_reduce_scatter", "grads", Op.REDUCE_SCATTER, PARAM_SHARD, Phase.BACKWARD, "reduce", "params")
+GRAD_SHARD_REDUCE_SCATTER = CollectiveSpec("grad_shard_reduce_scatter", "grads", Op.REDUCE_SCATTER, GRAD_SHARD, Phase.BACKWARD, "reduce", "grads")
+OPTIM_REDUCE_SCATTER = CollectiveSpec("optim_reduce_scatter", "optim", Op.REDUCE_SCATTER, OPTIM_SHARD, Phase.STEP, "reduce", "optim")
+OPTIM_ALL_REDUCE = CollectiveSpec("optim_all_reduce", "optim", Op.ALL_REDUCE, OPTIM_REPLICA, Phase.STEP, "reduce", "optim")
+UPDATE_GATHER_OPTIM = CollectiveSpec("update_gather_optim", "optim", Op.ALL_GATHER, OPTIM_SHARD, Phase.STEP, "param", "optim")
+UPDATE_GATHER_GRAD = CollectiveSpec("update_gather_grad", "optim", Op.ALL_GATHER, GRAD_SHARD, Phase.STEP, "param", "grads")
+GRAD_NORM_ALL_REDUCE = CollectiveSpec("grad_norm_all_reduce", "optim", Op.ALL_REDUCE, None, Phase.STEP, "float32", "scalar")
+
+ALL_SPECS = (
+    PARAM_ALL_GATHER,
+    PARAM_REGATHER,
+    GRAD_REDUCE_SCATTER,
+    GRAD_SHARD_REDUCE_SCATTER,
+    OPTIM_REDUCE_SCATTER,
+    OPTIM_ALL_REDUCE,
+    UPDATE_GATHER_OPTIM,
+    UPDATE_GATHER_GRAD,
+    GRAD_NORM_ALL_REDUCE,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as issued (or predicted): what, on how many ranks and nodes, how big."""
+
+    name: str
+    state: str
+    op: Op
+    group_size: int
+    nodes: int
+    message_bytes: int
+    count: int = 1
+
+    @property
+    def link(self) -> str:
+        return "inter" if self.nodes > 1 else "intra"
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends with the ring algorithm, all ``count`` calls together."""
+        n = self.group_size
+        factor = 2 * (n - 1) / n if self.op is Op.ALL_REDUCE else (n - 1) / n
+        return factor * self.message_bytes * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitGeometry:
+    """This rank's three buffer layouts for one FSDP unit (one group of parameters).
+
+    ``params``: global rows cut s_p ways (FSDP2's padded layout); ``grads``: this
+    rank's P rows cut s_g/s_p ways; ``optim``: this rank's G rows cut s_os/s_g ways.
+    """
+
+    shapes: tuple[torch.Size, ...]
+    params: ChunkLayout
+    grads: ChunkLayout
+    optim: ChunkLayout
+    param_index: int
+    grad_index: int
+    optim_index: int
+
+    @classmethod
+    def build(cls, shapes: Sequence[torch.Size], plan: LinsPlan, coords: dict[str, int]) -> "UnitGeometry":
+        shapes = tuple(torch.Size(s) for s in shapes)
+        rows = tuple(s[0] if len(s) else 1 for s in shapes)
+        row_numels = tuple(s[1:].numel() if len(s) else 1 for s in shapes)
+        p_index, g_index, o_index = coords[PARAM_SHARD], coords[GRAD_SHARD], coords[OPTIM_SHARD]
+        params = ChunkLayout(rows, row_numels, plan.params)
+        grads = params.next_level(p_index, plan.grads // plan.params)
+        optim = grads.next_level(g_index, plan.optim // plan.grads)
+        return cls(shapes, params, grads, optim, p_index, g_index, o_index)
+
+    def layout(self, level: str) -> ChunkLayout:
+        return getattr(self, level)
+
+    def local_shapes(self, level: str) -> list[torch.Size]:
+        """Shapes of this rank's shard of each tensor at ``level``."""
+        index = {"params": self.param_index, "grads": self.grad_index, "optim": self.optim_index}[level]
+        rows = self.layout(level).chunk_rows(index)
+        return [torch.Size((r, *s[1:])) for r, s in zip(rows, self.shapes)]
+
+    def row_starts(self, level: str) -> list[int]:
+        """First global row of this rank's shard of each tensor at ``level``."""
+        starts = [0] * len(self.shapes)
+        for name, index in (("params", self.param_index), ("grads", self.grad_index), ("optim", self.optim_index)):
+            layout = self.layout(name)
+            starts = [s + index * p for s, p in zip(starts, layout.padded_rows)]
+            if name == level:
+                return starts
+        raise ValueError(level)
+
+    def message_numel(self, spec: CollectiveSpec) -> int:
+        if spec.layout == "scalar":
+            return 1
+        layout = self.layout(spec.layout)
+        return layout.chunk_numel if spec.op is Op.ALL_REDUCE else layout.total_numel
+
+
+# ----- the group of every spec, from the plan alone ---------------------------------
+def group_size(plan: LinsPlan, world_size: int, mesh_dim: str | None) -> int:
+    if mesh_dim is None:
+        return world_size
+    replica, p, g, o = mesh_shape(plan, world_size)
+    return {OPTIM_REPLICA: replica, PARAM_SHARD: p, GRAD_SHARD: g, OPTIM_SHARD: o}[mesh_dim]
+
+
+def group_stride(plan: LinsPlan, mesh_dim: str | None) -> int:
+    """Distance between consecutive ranks of a group of ``mesh_dim``."""
+    if mesh_dim is None:
+        return 1
+    return {OPTIM_REPLICA: plan.optim, PARAM_SHARD: 1, GRAD_SHARD: plan.params, OPTIM_SHARD: plan.grads}[mesh_dim]
+
+
+def nodes_spanned(size: int, stride: int, ranks_per_node: int) -> int:
+    """Nodes covered by ``size`` ranks ``stride`` apart (groups are node-aligned)."""
+    return len({(i * stride) // ranks_per_node for i in range(size)})
+
+
+# ----- the expected communication of one step ----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class UnitSchedule:
+    """A unit's geometry plus how FSDP2 treats it (the root is not resharded after forward)."""
+
+    geometry: UnitGeometry
+    is_root: bool = False
+
+
+def step_collectives(
+    plan: LinsPlan,
+    units: Iterable[UnitSchedule],
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    microbatches: int,
+    param_bytes: int,
+    reduce_bytes: int,
+    clip_grad_norm: bool = False,
+) -> list[CollectiveRecord]:
+    """The collectives one rank issues in one optimizer step, aggregated by kind and size."""
+    dtype_bytes = {"param": param_bytes, "reduce": reduce_bytes, "float32": 4}
+    counts: dict[tuple, int] = {}
+
+    def add(spec: CollectiveSpec, geometry: UnitGeometry | None, times: int, size: int | None = None, stride: int | None = None) -> None:
+        size = group_size(plan, world_size, spec.mesh_dim) if size is None else size
+        if size == 1 or times == 0:
+            return
+        stride = group_stride(plan, spec.mesh_dim) if stride is None else stride
+        numel = 1 if geometry is None else geometry.message_numel(spec)
+        key = (spec.name, spec.state, spec.op, size, nodes_spanned(size, stride, ranks_per_node), numel * dtype_bytes[spec.dtype])
+        counts[key] = counts.get(key, 0) + times
+
+    hpz = plan.reshard_after_forward
+    for unit in units:
+        g = unit.geometry
+        if not any(s.numel() for s in g.shapes):
+            continue
+        add(PARAM_ALL_GATHER, g, microbatches)
+        if not unit.is_root and hpz is not False:
+            regather_size = plan.params if hpz is True else hpz
+            add(PARAM_REGATHER, g, microbatches, size=regather_size, stride=1)
+        add(GRAD_REDUCE_SCATTER, g, microbatches)
+        add(GRAD_SHARD_REDUCE_SCATTER, g, microbatches)
+        add(OPTIM_REDUCE_SCATTER, g, 1)
+        add(OPTIM_ALL_REDUCE, g, 1)
+        add(UPDATE_GATHER_OPTIM, g, 1)
+        add(UPDATE_GATHER_GRAD, g, 1)
+    if clip_grad_norm:
+        add(GRAD_NORM_ALL_REDUCE, None, 1)
+    return [CollectiveRecord(*key, count=count) for key, count in counts.items()]
+
+
+def state_memory_bytes(
+    units: Iterable[UnitSchedule], *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4, optim_states: int = 2
+) -> dict[str, int]:
+    """Persistent bytes per rank of each state: P shards (FSDP2 keeps them padded),
+    G buffers (padded chunk rows) and OS (fp32 master plus ``optim_states`` tensors of
+    the same size, 2 for Adam)."""
+    memory = {"params": 0, "grads": 0, "optim": 0}
+    for unit in units:
+        g = unit.geometry
+        memory["params"] += g.params.chunk_numel * param_bytes
+        memory["grads"] += g.grads.chunk_numel * reduce_bytes
+        os_numel = sum(s.numel() for s in g.local_shapes("optim"))
+        memory["optim"] += os_numel * master_bytes * (1 + optim_states)
+    return memory
+
+
+def summarize(records: Iterable[CollectiveRecord]) -> dict[tuple[str, str, str], dict[str, float]]:
+    """Totals keyed by (state, op, link): message bytes, wire bytes and call count."""
+    out: dict[tuple[str, str, str], dict[str, float]] = {}
+    for r in records:
+        entry = out.setdefault((r.state, r.op.value, r.link), {"message_bytes": 0, "wire_bytes": 0.0, "count": 0})
+        entry["message_bytes"] += r.message_bytes * r.count
+        entry["wire_bytes"] += r.wire_bytes
+        entry["count"] += r.count
+    return out
