@@ -43,16 +43,15 @@ _STATE_ATTR = "_lins_state"
 class LinsUnit:
     """One FSDP unit's parameters in their three layouts, and the moves between them."""
 
-    def __init__(self, module: FSDPModule, fqns: list[str], state: "LinsState", is_root: bool) -> None:
+    def __init__(self, module: FSDPModule, fqn_of: dict[int, str], state: "LinsState", is_root: bool) -> None:
         self.module = module
-        self.fqns = fqns
         self.state = state
         self.is_root = is_root
         # FSDP2 exposes no public list of a unit's parameters in reduce-buffer order;
         # the param group's FSDPParam list is that order.
         param_group = module._get_fsdp_state()._fsdp_param_group
         self.params: list[nn.Parameter] = [p.sharded_param for p in param_group.fsdp_params] if param_group else []
-        assert len(self.params) == len(fqns), f"FSDP2 unit parameters do not match their names {fqns} {[p.shape for p in self.params]}"
+        self.fqns = [fqn_of[id(p)] for p in self.params]
         self.geometry = UnitGeometry.build([p.shape for p in self.params], state.plan, state.coords)
         self.grad_buffer = torch.zeros(self.geometry.grads.chunk_numel, dtype=state.reduce_dtype, device=state.device)
         self.masters: list[nn.Parameter] = []
@@ -312,15 +311,11 @@ def apply_lins(
     )
     fsdp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=mp_policy.output_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
     unit_modules = list(default_units(model) if units is None else units) + [model]
-    name_of = {id(m): n for n, m in model.named_modules()}
-    claimed: set[str] = set()  # by name: fully_shard replaces the Parameter objects
     for module in unit_modules:
-        prefix = name_of[id(module)]
-        named = [(f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters()]
-        fqns = [n for n, p in named if p.requires_grad and n not in claimed]
-        claimed.update(n for n, _ in named)
         fully_shard(module, mesh=mesh.param_mesh(), reshard_after_forward=plan.reshard_after_forward, mp_policy=fsdp_policy, ignored_params=frozen)
-        unit = LinsUnit(module, fqns, state, is_root=module is model)
+        # fully_shard swaps in new Parameter objects: look the names up afterwards.
+        fqn_of = {id(p): n for n, p in model.named_parameters()}
+        unit = LinsUnit(module, fqn_of, state, is_root=module is model)
         if unit.params:
             unit.init_masters(full_values)
             state.units.append(unit)

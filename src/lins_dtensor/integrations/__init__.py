@@ -1,0 +1,1 @@
+"""Integrations of Lins with training frameworks (each imported on demand)."""

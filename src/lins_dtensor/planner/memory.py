@@ -1,0 +1,107 @@
+"""Per-rank memory of a plan: model states, activations and transient buffers.
+
+Model-state bytes are not re-derived here: each unit's geometry for rank coordinate 0
+(which holds the largest, ceil-sized chunks) is built with
+:class:`lins_dtensor.schedule.UnitGeometry` and summed by
+:func:`lins_dtensor.schedule.state_memory_bytes`, the same code the runtime's layouts
+come from. Activations follow a LLaMA block with FlashAttention (no s^2 term).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from lins_dtensor.mesh import MESH_DIMS
+from lins_dtensor.plan import LinsPlan
+from lins_dtensor.planner.models import ModelSpec, shapes_numel
+from lins_dtensor.planner.training import TrainingSpec
+from lins_dtensor.schedule import UnitGeometry, UnitSchedule, state_memory_bytes
+
+GiB = 1 << 30
+_RANK0 = {dim: 0 for dim in MESH_DIMS}
+
+
+def rank0_units(model: ModelSpec, plan: LinsPlan) -> list[UnitSchedule]:
+    """The units of ``model`` under ``plan`` for rank coordinate 0 (identical blocks share
+    one geometry object). No unit is the FSDP root: the runtime's root has no own params."""
+    cache: dict[tuple, UnitSchedule] = {}
+    out = []
+    for shapes in model.unit_shapes():
+        if shapes not in cache:
+            cache[shapes] = UnitSchedule(UnitGeometry.build([torch.Size(s) for s in shapes], plan, _RANK0))
+        out.append(cache[shapes])
+    return out
+
+
+def activation_bytes(model: ModelSpec, training: TrainingSpec) -> int:
+    """Activations one micro-batch keeps for backward (peak, per rank).
+
+    Per block and token, saved for backward: block input, both norm outputs, the
+    residual, q, k, v, the attention output, w1 and w3 outputs, their SwiGLU product
+    (2 bytes each in bf16), and FlashAttention's fp32 log-sum-exp per head. With
+    checkpointing only each block's input stays, plus one block recomputed at a time.
+    """
+    t = training.microbatch_tokens
+    a = training.activation_bytes
+    d, kv, f = model.dim, model.kv_heads * model.head_dim, model.ffn_dim
+    block = t * (a * (6 * d + 2 * kv) + a * 3 * f + 4 * model.n_heads)
+    if training.activation_checkpointing:
+        blocks = model.n_layers * t * a * d + block
+    else:
+        blocks = model.n_layers * block
+    # Final norm in/out, logits in bf16, their fp32 copy for the loss and its gradient.
+    head = t * (2 * a * d + model.vocab_size * (a + 4 + 4))
+    return blocks + head
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank; ``peak`` is states plus the larger of the two transient phases."""
+
+    params: int
+    grads: int
+    optim: int
+    activations: int
+    buffers: int  # gathered parameters and gradient/reduce buffers during forward/backward
+    step_buffers: int  # optimizer-step gradients and pack buffers (activations freed)
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optim
+
+    @property
+    def peak(self) -> int:
+        return self.states + max(self.activations + self.buffers, self.step_buffers)
+
+    def gib(self) -> dict[str, float]:
+        keys = ("params", "grads", "optim", "activations", "buffers", "step_buffers")
+        out = {k: round(getattr(self, k) / GiB, 3) for k in keys}
+        out["peak"] = round(self.peak / GiB, 3)
+        return out
+
+
+def memory_breakdown(model: ModelSpec, plan: LinsPlan, training: TrainingSpec, units: list[UnitSchedule] | None = None) -> MemoryBreakdown:
+    units = rank0_units(model, plan) if units is None else units
+    states = state_memory_bytes(
+        units, param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes,
+        master_bytes=training.master_bytes, optim_states=training.optim_states,
+    )
+    biggest = max((u.geometry.params.total_numel for u in units), default=0)
+    # FSDP2 holds the gathered unit being computed and the prefetched next one; in
+    # backward also that unit's unsharded gradient (param dtype) and its reduce-scatter
+    # input (reduce dtype).
+    buffers = 2 * biggest * training.param_bytes + 2 * biggest * (training.param_bytes + training.reduce_bytes)
+    hpz = plan.reshard_after_forward
+    if hpz is False:
+        buffers += sum(u.geometry.params.total_numel for u in units) * training.param_bytes
+    elif hpz is not True:
+        # hpZ keeps every unit's parameters between forward and backward, sharded k ways.
+        buffers += sum(math.ceil(shapes_numel(u.geometry.shapes) / hpz) for u in units) * training.param_bytes
+    # Step: each unit's OS-layout gradient lives until the optimizer has run, plus the
+    # packed G-level buffer of the unit being reduced.
+    step = sum(u.geometry.optim.chunk_numel for u in units) * training.reduce_bytes
+    step += max((u.geometry.grads.total_numel for u in units), default=0) * training.reduce_bytes
+    return MemoryBreakdown(states["params"], states["grads"], states["optim"], activation_bytes(model, training), buffers, step)

@@ -1,0 +1,161 @@
+"""Model descriptions the planner can cost: LLaMA-style decoder shapes, grouped into units.
+
+The planner does not derive byte counts itself: it hands each unit's parameter shapes
+to :mod:`lins_dtensor.schedule`, so the units here must be grouped the way the runtime
+groups them (``lins_dtensor.runtime.default_units``: the token embedding, one unit per
+transformer block, the final norm, the output projection). The architecture numbers
+(layers, hidden size, heads, vocabulary) feed the activation and FLOP models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+Shape = tuple[int, ...]
+
+
+class PlannerError(ValueError):
+    """Bad planner input (unknown preset, impossible cluster, nothing fits); one line."""
+
+
+def llama_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """SwiGLU hidden size by the LLaMA rule: 2/3 of 4*dim, scaled, rounded up."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A LLaMA-style decoder: what the planner needs to cost memory, bytes and FLOPs.
+
+    ``units`` (optional) are explicit parameter shapes per FSDP unit, e.g. read from an
+    ``nn.Module``; when absent they are built from the architecture numbers.
+    ``embedding_params`` are excluded from the 6*N FLOP count (a lookup, not a matmul).
+    """
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    ffn_dim: int
+    n_kv_heads: int | None = None
+    units: tuple[tuple[Shape, ...], ...] | None = None
+    embedding_params: int | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def block_shapes(self) -> tuple[Shape, ...]:
+        """One transformer block, in the block's parameter order (nn.Linear is (out, in))."""
+        d, kv, f = self.dim, self.kv_heads * self.head_dim, self.ffn_dim
+        return ((d, d), (kv, d), (kv, d), (d, d), (f, d), (d, f), (f, d), (d,), (d,))
+
+    def unit_shapes(self) -> list[tuple[Shape, ...]]:
+        """Parameter shapes of every unit, in the order the runtime shards them."""
+        if self.units is not None:
+            return [tuple(tuple(s) for s in unit) for unit in self.units]
+        d, v = self.dim, self.vocab_size
+        return [((v, d),), *[self.block_shapes()] * self.n_layers, ((d,),), ((v, d),)]
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(s) for unit in self.unit_shapes() for s in unit)
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (all but the embedding table)."""
+        embedding = self.vocab_size * self.dim if self.embedding_params is None else self.embedding_params
+        return self.num_params - embedding
+
+
+def _llama3(name: str, dim: int, n_layers: int, n_heads: int, vocab: int, kv: int | None, multiple_of: int, mult: float | None) -> ModelSpec:
+    return ModelSpec(name, dim, n_layers, n_heads, vocab, llama_ffn_dim(dim, multiple_of, mult), kv)
+
+
+# torchtitan 0.2.2 llama3 flavors (vocab 128256 is TransformerModelArgs' default) and the
+# LLaMA-1 shapes the Lins paper trains.
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    "debugmodel": _llama3("debugmodel", 256, 6, 16, 2048, None, 256, None),
+    "llama3_8b": _llama3("llama3_8b", 4096, 32, 32, 128256, 8, 1024, 1.3),
+    "llama3_70b": _llama3("llama3_70b", 8192, 80, 64, 128256, 8, 4096, 1.3),
+    "llama3_405b": _llama3("llama3_405b", 16384, 126, 128, 128256, 8, 4096, 1.2),
+    "llama_7b": ModelSpec("llama_7b", 4096, 32, 32, 32000, 11008),
+    "llama_13b": ModelSpec("llama_13b", 5120, 40, 40, 32000, 13824),
+    "llama_30b": ModelSpec("llama_30b", 6656, 60, 52, 32000, 17920),
+}
+_ALIASES = {"llama7b": "llama_7b", "llama13b": "llama_13b", "llama30b": "llama_30b", "8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama3_405b"}
+
+
+def model_preset(name: str) -> ModelSpec:
+    key = name.strip().lower().replace("-", "_")
+    key = _ALIASES.get(key, key)
+    if key not in MODEL_PRESETS:
+        raise PlannerError(f"unknown model preset '{name}'; known: {', '.join(MODEL_PRESETS)}")
+    return MODEL_PRESETS[key]
+
+
+def model_from_module(
+    module,
+    *,
+    name: str | None = None,
+    n_layers: int | None = None,
+    dim: int | None = None,
+    n_heads: int | None = None,
+    vocab_size: int | None = None,
+    ffn_dim: int | None = None,
+    n_kv_heads: int | None = None,
+) -> ModelSpec:
+    """Read an ``nn.Module``'s parameter shapes, grouped into the runtime's units.
+
+    Architecture numbers the shapes cannot tell (heads, ...) are read from a
+    torchtitan-style ``model_args`` attribute when present, else must be given.
+    """
+    from torch import nn
+
+    from lins_dtensor.runtime import default_units
+
+    unit_modules = default_units(module)
+    claimed: set[int] = set()
+    units: list[tuple[Shape, ...]] = []
+    for m in [*unit_modules, module]:
+        shapes = tuple(tuple(p.shape) for p in m.parameters() if p.requires_grad and id(p) not in claimed)
+        claimed.update(id(p) for p in m.parameters())
+        if shapes:
+            units.append(shapes)
+    args = getattr(module, "model_args", None)
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    lists = [c for c in module.children() if isinstance(c, (nn.ModuleList, nn.ModuleDict))]
+
+    def pick(given, attr, guess):
+        if given is not None:
+            return given
+        if args is not None and getattr(args, attr, None) is not None:
+            return getattr(args, attr)
+        return guess
+
+    dim = pick(dim, "dim", embeddings[0].embedding_dim if embeddings else None)
+    vocab_size = pick(vocab_size, "vocab_size", embeddings[0].num_embeddings if embeddings else None)
+    n_layers = pick(n_layers, "n_layers", max((len(c) for c in lists), default=None))
+    n_heads = pick(n_heads, "n_heads", None)
+    n_kv_heads = pick(n_kv_heads, "n_kv_heads", None)
+    missing = [k for k, v in (("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads), ("vocab_size", vocab_size)) if v is None]
+    if missing:
+        raise PlannerError(f"cannot infer {', '.join(missing)} from the module; pass them to model_from_module")
+    if ffn_dim is None:
+        ffn_dim = 4 * dim
+    embedding_params = sum(e.weight.numel() for e in embeddings)
+    return ModelSpec(name or type(module).__name__, dim, n_layers, n_heads, vocab_size, ffn_dim, n_kv_heads, tuple(units), embedding_params)
+
+
+def shapes_numel(shapes: Sequence[Shape]) -> int:
+    return sum(math.prod(s) for s in shapes)

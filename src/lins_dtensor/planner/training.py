@@ -1,0 +1,54 @@
+"""How the model is trained: the knobs that change memory, FLOPs and micro-batch count."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lins_dtensor.planner.models import PlannerError
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+    """One optimizer step = ``global_batch_tokens`` over all ranks, in micro-batches of
+    ``micro_batch`` sequences of ``seq_len`` tokens (None: one micro-batch per rank).
+
+    Byte sizes default to the runtime's bf16 parameters with fp32 gradient reduction,
+    fp32 masters and Adam (2 states). ``overlap_fraction`` is how much of a phase's
+    compute can hide that phase's per-micro-batch collectives; ``overlap=False`` shows
+    the exposed worst case.
+    """
+
+    seq_len: int = 4096
+    micro_batch: int = 1
+    global_batch_tokens: int | None = None
+    activation_checkpointing: bool = False
+    param_bytes: int = 2
+    reduce_bytes: int = 4
+    master_bytes: int = 4
+    optim_states: int = 2
+    activation_bytes: int = 2
+    overlap: bool = True
+    overlap_fraction: float = 0.8
+    clip_grad_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.micro_batch < 1:
+            raise PlannerError(f"seq_len={self.seq_len} and micro_batch={self.micro_batch} must be >= 1")
+        if not 0.0 <= self.overlap_fraction <= 1.0:
+            raise PlannerError(f"overlap_fraction={self.overlap_fraction} must be in [0, 1]")
+
+    @property
+    def microbatch_tokens(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    def microbatches(self, world_size: int) -> int:
+        """Micro-batches per rank per step (M)."""
+        if self.global_batch_tokens is None:
+            return 1
+        per_round = self.microbatch_tokens * world_size
+        if self.global_batch_tokens < per_round or self.global_batch_tokens % per_round:
+            raise PlannerError(
+                f"global batch of {self.global_batch_tokens} tokens is not a positive multiple of "
+                f"seq_len x micro_batch x gpus = {per_round}"
+            )
+        return self.global_batch_tokens // per_round

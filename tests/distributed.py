@@ -1,0 +1,51 @@
+"""Run a function on N gloo ranks in fresh processes and collect rank 0's result."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_path: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+        if rank == 0:
+            torch.save({"result": result}, out_path)
+    except BaseException:
+        if rank == 0:
+            torch.save({"error": traceback.format_exc()}, out_path)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run(fn, world_size: int, *args):
+    """``fn(*args)`` on every rank; returns rank 0's return value (re-raises its error)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.pt")
+        try:
+            mp.start_processes(_worker, args=(world_size, _free_port(), out_path, fn, args), nprocs=world_size, start_method="spawn")
+        except mp.ProcessRaisedException:
+            if os.path.exists(out_path):
+                payload = torch.load(out_path, weights_only=False)
+                raise AssertionError(payload.get("error", "a rank failed")) from None
+            raise
+        payload = torch.load(out_path, weights_only=False)
+    if "error" in payload:
+        raise AssertionError(payload["error"])
+    return payload["result"]

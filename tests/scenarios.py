@@ -1,0 +1,140 @@
+"""Training runs executed inside the spawned ranks (see distributed.run); each returns
+plain data for the tests to check."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+
+from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh, clip_grad_norm_, lins_optimizer, lins_stats
+from lins_dtensor.runtime import lins_state
+from lins_dtensor.schedule import state_memory_bytes, step_collectives
+from tiny_llama import batch, build_model, loss_fn
+
+LR, WEIGHT_DECAY, MAX_NORM = 1e-2, 0.1, 0.5
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+
+
+def reference(world_size: int, microbatches: int, steps: int, model_kwargs: dict | None = None) -> dict:
+    """Single-process fp32 training on the union of every rank's data."""
+    model = build_model(**(model_kwargs or {}))
+    opt = _optimizer([p for p in model.parameters() if p.requires_grad])
+    for step in range(steps):
+        for rank in range(world_size):
+            for mb in range(microbatches):
+                (loss_fn(model, batch(step, rank, mb)) / (microbatches * world_size)).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _record_key(r):
+    return (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes)
+
+
+def train_lins(configs: list[dict]) -> list[dict]:
+    """Each config: plan, microbatches, steps, ranks_per_node, param_dtype (optional)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cfg in configs:
+        plan = LinsPlan.parse(cfg["plan"], world)
+        model = build_model(**cfg.get("model_kwargs", {}))
+        frozen_before = model.pos.detach().clone()
+        mesh = build_lins_mesh(plan, ranks_per_node=cfg["ranks_per_node"], device_type="cpu")
+        param_dtype = cfg.get("param_dtype")
+        apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+        mbs = cfg["microbatches"]
+        for step in range(cfg["steps"]):
+            for mb in range(mbs):
+                (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
+            clip_grad_norm_(model, MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+        state = lins_state(model)
+        stats = lins_stats(model)
+        pdt = param_dtype or torch.float32
+        expected = step_collectives(
+            plan, state.schedule(), world_size=world, ranks_per_node=cfg["ranks_per_node"], microbatches=mbs,
+            param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, clip_grad_norm=True,
+        )
+        counted = Counter(_record_key(r) for r in stats.collectives)
+        predicted = Counter()
+        for r in expected:
+            predicted[_record_key(r)] += r.count
+        memory_expected = state_memory_bytes(state.schedule(), param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4)
+        mine = {
+            "bytes_match": counted == predicted,
+            "counted": dict(counted) if counted != predicted else None,
+            "predicted": dict(predicted) if counted != predicted else None,
+            "memory": stats.memory_bytes,
+            "memory_expected": memory_expected,
+        }
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, mine)
+        masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+        params = {n: p.full_tensor().float() for n, p in model.named_parameters() if hasattr(p, "full_tensor")}
+        results.append({
+            "config": cfg,
+            "masters": masters,
+            "params": params,
+            "frozen_unchanged": bool(torch.equal(model.pos.detach().float(), frozen_before.to(model.pos.dtype).float())),
+            "per_rank": per_rank,
+        })
+    return results
+
+
+def train_fsdp(configs: list[dict]) -> list[dict]:
+    """FSDP2 (shard == world) or HSDP (shard < world) with the same model, data and optimizer.
+
+    Collectives are counted with the same recording comm objects Lins gives FSDP2,
+    and HSDP's all-reduce through FSDP2's all-reduce hook (it sees the reduced tensor).
+    """
+    from lins_dtensor.collectives import CommRecorder, LinsAllGather, LinsReduceScatter
+    from lins_dtensor.schedule import OPTIM_ALL_REDUCE
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cfg in configs:
+        shard = cfg["shard"]
+        model = build_model(**cfg.get("model_kwargs", {}))
+        if shard == world:
+            mesh = init_device_mesh("cpu", (world,))
+        else:
+            mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        mp = MixedPrecisionPolicy(param_dtype=cfg.get("param_dtype"), reduce_dtype=torch.float32)
+        frozen = {model.pos}
+        recorder = CommRecorder(cfg["ranks_per_node"])
+        modules = [model.tok_embeddings, *model.layers, model.norm, model.output, model]
+        for m in modules:
+            fully_shard(m, mesh=mesh, mp_policy=mp, ignored_params=frozen)
+            m.set_custom_all_gather(LinsAllGather(recorder))
+            m.set_custom_reduce_scatter(LinsReduceScatter(recorder))
+            m.set_force_sum_reduction_for_comms(True)
+            if shard != world and any(True for _ in m.parameters(recurse=False)) or (m is not model and shard != world):
+                group = mesh.get_group("replicate")
+                m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out, 0.0))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = _optimizer(params)
+        mbs = cfg["microbatches"]
+        for step in range(cfg["steps"]):
+            for mb in range(mbs):
+                (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+            recorder.end_step()
+        results.append({
+            "config": cfg,
+            "params": {n: p.full_tensor().float() for n, p in model.named_parameters() if p.requires_grad},
+            "records": Counter(_record_key(r) for r in recorder.last_step),
+        })
+    return results

@@ -1,0 +1,85 @@
+"""A small LLaMA-shaped model for the tests: embedding, attention, SwiGLU MLP,
+RMSNorm, output head. The vocabulary (50) does not divide by 4 or 8, the per-head
+gain (3 rows) leaves some shards empty at 4 and 8 ranks, and a frozen positional
+table checks that parameters without gradients stay replicated."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.head_gain = nn.Parameter(torch.ones(n_heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (w(x).view(b, s, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q = q * self.head_gain.view(1, -1, 1, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, n_heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab: int = 50, dim: int = 24, n_heads: int = 3, hidden: int = 40, n_layers: int = 2, seq: int = 8) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1, requires_grad=False)
+        self.layers = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.vocab, self.seq = vocab, seq
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens) + self.pos[: tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def build_model(seed: int = 0, **kwargs) -> TinyLlama:
+    torch.manual_seed(seed)
+    return TinyLlama(**kwargs)
+
+
+def batch(step: int, rank: int, microbatch: int, vocab: int = 50, seq: int = 8, size: int = 2) -> torch.Tensor:
+    """The tokens rank ``rank`` trains on: a fixed function of (step, rank, micro-batch)."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + microbatch)
+    return torch.randint(0, vocab, (size, seq + 1), generator=g)
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
