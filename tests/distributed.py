@@ -27,8 +27,7 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, fn, args) -> N
         if rank == 0:
             torch.save({"result": result}, out_path)
     except BaseException:
-        if rank == 0:
-            torch.save({"error": traceback.format_exc()}, out_path)
+        torch.save({"error": f"rank {rank}: " + traceback.format_exc()}, f"{out_path}.error{rank}")
         raise
     finally:
         dist.destroy_process_group()
@@ -41,11 +40,10 @@ def run(fn, world_size: int, *args):
         try:
             mp.start_processes(_worker, args=(world_size, _free_port(), out_path, fn, args), nprocs=world_size, start_method="spawn")
         except mp.ProcessRaisedException:
-            if os.path.exists(out_path):
-                payload = torch.load(out_path, weights_only=False)
-                raise AssertionError(payload.get("error", "a rank failed")) from None
+            # The first failure is the cause; later ones are peers losing their connection.
+            errors = sorted((os.path.getmtime(os.path.join(tmp, f)), f) for f in os.listdir(tmp) if ".error" in f)
+            if errors:
+                raise AssertionError(torch.load(os.path.join(tmp, errors[0][1]), weights_only=False)["error"]) from None
             raise
         payload = torch.load(out_path, weights_only=False)
-    if "error" in payload:
-        raise AssertionError(payload["error"])
     return payload["result"]

@@ -88,6 +88,7 @@ def train_lins(configs: list[dict]) -> list[dict]:
             "params": params,
             "frozen_unchanged": bool(torch.equal(model.pos.detach().float(), frozen_before.to(model.pos.dtype).float())),
             "per_rank": per_rank,
+            "records": counted,
         })
     return results
 

@@ -73,10 +73,14 @@ class ChunkLayout:
         grid = out.view(self.k, self.chunk_numel)
         if self.k == 1:
             for view, tensor in zip(self.views(out, 0), tensors):
-                view.copy_(tensor)
+                view.copy_(tensor.reshape(view.shape))
             return out
-        flat_rows = [t.reshape(r, n) for t, r, n in zip(tensors, self.rows, self.row_numels)]
-        torch._chunk_cat(flat_rows, dim=0, num_chunks=self.k, out=grid)
+        # Empty shards occupy no slot; _chunk_cat refuses them.
+        flat_rows = [t.reshape(r, n) for t, r, n in zip(tensors, self.rows, self.row_numels) if r]
+        if flat_rows:
+            torch._chunk_cat(flat_rows, dim=0, num_chunks=self.k, out=grid)
+        else:
+            out.zero_()
         return out
 
     def views(self, chunk: torch.Tensor, index: int) -> list[torch.Tensor]:

@@ -314,7 +314,7 @@ def apply_lins(
     for module in unit_modules:
         fully_shard(module, mesh=mesh.param_mesh(), reshard_after_forward=plan.reshard_after_forward, mp_policy=fsdp_policy, ignored_params=frozen)
         # fully_shard swaps in new Parameter objects: look the names up afterwards.
-        fqn_of = {id(p): n for n, p in model.named_parameters()}
+        fqn_of = {id(p): _clean_fqn(n) for n, p in model.named_parameters()}
         unit = LinsUnit(module, fqn_of, state, is_root=module is model)
         if unit.params:
             unit.init_masters(full_values)
@@ -322,6 +322,17 @@ def apply_lins(
     setattr(model, _STATE_ATTR, state)
     _install_state_dict_hooks(model, state)
     return model
+
+
+# Module wrappers that insert a level into parameter names but not into state-dict
+# keys (activation checkpointing, torch.compile): Lins names parameters by the keys.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean_fqn(name: str) -> str:
+    for wrapper in _WRAPPER_PREFIXES:
+        name = name.replace(wrapper, "")
+    return name
 
 
 def _drop_grad(param: torch.Tensor) -> None:

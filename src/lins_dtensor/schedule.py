@@ -150,11 +150,12 @@ class UnitGeometry:
         return [torch.Size((r, *s[1:])) for r, s in zip(rows, self.shapes)]
 
     def row_starts(self, level: str) -> list[int]:
-        """First global row of this rank's shard of each tensor at ``level``."""
+        """First global row of this rank's shard of each tensor at ``level`` (an empty
+        shard starts at the end of its parent, so that narrowing by it stays in range)."""
         starts = [0] * len(self.shapes)
         for name, index in (("params", self.param_index), ("grads", self.grad_index), ("optim", self.optim_index)):
             layout = self.layout(name)
-            starts = [s + index * p for s, p in zip(starts, layout.padded_rows)]
+            starts = [s + min(index * p, r) for s, p, r in zip(starts, layout.padded_rows, layout.rows)]
             if name == level:
                 return starts
         raise ValueError(level)

@@ -47,6 +47,15 @@ def alpha_beta_seconds(hw: HardwareSpec, ranks_per_node: int, op: str, group_siz
     return steps * hw.alpha_inter + max(wire / hw.intra_bw, wire / inter_share)
 
 
+def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A bigger message never takes less time: smooth measurement noise with a running max."""
+    out, worst = [], 0.0
+    for size, seconds in points:
+        worst = max(worst, seconds)
+        out.append((size, worst))
+    return out
+
+
 @dataclasses.dataclass
 class BandwidthTable:
     """Measured seconds per call, keyed by (op, ranks per node in group, nodes)."""
@@ -102,7 +111,7 @@ class BandwidthTable:
                 if e["op"] not in OPS:
                     raise PlannerError(f"bandwidth table: unknown op '{e['op']}'")
                 pts = sorted((float(s), float(t)) for s, t in zip(e["bytes"], e["seconds"]) if float(s) > 0 and float(t) > 0)
-                entries[(e["op"], int(e["group_ranks_per_node"]), int(e["nodes"]))] = pts
+                entries[(e["op"], int(e["group_ranks_per_node"]), int(e["nodes"]))] = monotone(pts)
             return cls(int(data["ranks_per_node"]), entries, dict(data.get("meta", {})))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlannerError(f"bandwidth table is malformed: {exc!r}") from None

@@ -6,7 +6,9 @@ runtime sends. Overlap model (the runtime's): a micro-batch's parameter all-gath
 hide behind forward compute and its gradient reduce-scatters (and backward re-gathers)
 behind backward compute, up to ``overlap_fraction`` of it, except the first collective
 of each phase, which has nothing to hide behind; the optimizer-step collectives run
-after the last backward and are fully exposed.
+after the last backward and are fully exposed (``TrainingSpec.overlap_step`` instead
+models the paper's executor, which hides them behind the last backward and the next
+forward).
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from lins_dtensor.schedule import ALL_SPECS, CollectiveRecord, Phase, step_colle
 
 PHASE_OF = {spec.name: spec.phase.value for spec in ALL_SPECS}
 PHASES = tuple(p.value for p in Phase)
+
+
+def network_bytes(record: CollectiveRecord) -> float:
+    """Bytes per rank that cross the node boundary: a ring with r ranks on each node
+    crosses it once per node, so its wire bytes are shared by the r ranks' NIC shares;
+    for an intra-node group this is its (NVLink) wire bytes."""
+    if record.nodes <= 1:
+        return record.wire_bytes
+    return record.wire_bytes / (record.group_size // record.nodes)
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
@@ -57,19 +68,22 @@ class PlanCost:
         return self.memory.peak - self.budget
 
     def by_link(self, exposed: bool = False) -> dict[tuple[str, str], dict[str, float]]:
-        """Wire bytes and seconds keyed by (state, link); ``exposed`` scales each record's
+        """Wire bytes, link bytes (see :func:`network_bytes`) and seconds keyed by
+        (state, link); ``exposed`` scales each record's
         time by its phase's exposed share."""
         out: dict[tuple[str, str], dict[str, float]] = {}
         for r, t in zip(self.records, self.record_s):
             phase = PHASE_OF[r.name]
             share = (self.exposed_s[phase] / self.comm_s[phase]) if exposed and self.comm_s[phase] else 1.0
-            e = out.setdefault((r.state, r.link), {"wire_bytes": 0.0, "seconds": 0.0})
+            e = out.setdefault((r.state, r.link), {"wire_bytes": 0.0, "link_bytes": 0.0, "seconds": 0.0})
             e["wire_bytes"] += r.wire_bytes
+            e["link_bytes"] += network_bytes(r)
             e["seconds"] += t * share
         return out
 
     def link_bytes(self, link: str) -> float:
-        return sum(r.wire_bytes for r in self.records if r.link == link)
+        """Per-rank bytes on ``link`` ("intra": NVLink wire bytes, "inter": NIC bytes)."""
+        return sum(network_bytes(r) for r in self.records if r.link == link)
 
 
 def evaluate(
@@ -115,6 +129,19 @@ def evaluate(
             if comm[phase]:
                 first = comm[phase] / calls[phase] * m  # one unhidden collective per micro-batch
                 exposed[phase] = max(comm[phase] - training.overlap_fraction * compute[phase], min(first, comm[phase]))
+        if training.overlap_step and comm["step"]:
+            exposed["step"] = _overlapped_step(records, record_s, comm, compute, m, training.overlap_fraction)
     step_s = sum(compute.values()) + sum(exposed.values())
     mfu = flops / (step_s * hw.peak_flops)
     return PlanCost(plan, m, memory, cluster.memory_budget, compute, comm, exposed, step_s, mfu, tokens * cluster.gpus / step_s, records, record_s)
+
+
+def _overlapped_step(records, record_s, comm, compute, m: int, fraction: float) -> float:
+    """Exposed step time when reductions overlap the last micro-batch's backward and the
+    update gathers the next forward, each using the capacity left by that micro-batch's
+    own collectives."""
+    gathers = sum(t for r, t in zip(records, record_s) if PHASE_OF[r.name] == "step" and r.op.value == "all_gather")
+    reductions = comm["step"] - gathers
+    backward_room = max(0.0, (fraction * compute["backward"] - comm["backward"]) / m)
+    forward_room = max(0.0, (fraction * compute["forward"] - comm["forward"]) / m)
+    return max(0.0, reductions - backward_room) + max(0.0, gathers - forward_room)

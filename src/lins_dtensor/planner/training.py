@@ -15,7 +15,9 @@ class TrainingSpec:
     Byte sizes default to the runtime's bf16 parameters with fp32 gradient reduction,
     fp32 masters and Adam (2 states). ``overlap_fraction`` is how much of a phase's
     compute can hide that phase's per-micro-batch collectives; ``overlap=False`` shows
-    the exposed worst case.
+    the exposed worst case. ``overlap_step`` models the paper's executor rather than
+    this runtime: the optimizer-step reductions hide behind the last micro-batch's
+    backward and the updated-parameter gathers behind the next forward.
     """
 
     seq_len: int = 4096
@@ -29,6 +31,7 @@ class TrainingSpec:
     activation_bytes: int = 2
     overlap: bool = True
     overlap_fraction: float = 0.8
+    overlap_step: bool = False
     clip_grad_norm: bool = False
 
     def __post_init__(self) -> None:

@@ -6,7 +6,6 @@ dataclass below into its own, so ``[lins]`` keys can be set in the TOML file or 
 command line (``--lins.plan zero2``).
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass, field
 

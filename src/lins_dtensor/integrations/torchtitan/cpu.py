@@ -11,6 +11,7 @@ present. Everything else (trainer loop, checkpointing, metrics) runs as shipped.
 from __future__ import annotations
 
 import importlib
+import os
 import types
 
 import torch
@@ -53,14 +54,18 @@ class _CpuDevice(types.SimpleNamespace):
     @staticmethod
     def get_device_properties(device=None):
         try:
-            total = __import__("os").sysconf("SC_PAGE_SIZE") * __import__("os").sysconf("SC_PHYS_PAGES")
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             total = 1 << 34
         return types.SimpleNamespace(total_memory=total, name="cpu")
 
     @staticmethod
     def memory_stats(device=None) -> dict:
-        return {}
+        # Host memory: the process's peak resident set (it cannot be reset).
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
 
     @staticmethod
     def reset_peak_memory_stats(device=None) -> None:

@@ -1,0 +1,118 @@
+"""The TrainSpec's ``build_optimizers_fn``: the Lins optimizer behind torchtitan's container.
+
+:class:`LinsOptimizersContainer` is an ``OptimizersContainer`` whose optimizers are
+:func:`lins_dtensor.lins_optimizer` instances over the fp32 masters. Its state dict
+uses the same flat ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<key>`` keys as
+torchtitan's own container, so checkpoints are keyed by parameter FQN. It also owns
+gradient clipping: :meth:`clip_grad_norm_` clips through Lins (the model's parameters
+carry no ``.grad`` under Lins), and ``step`` clips by ``training.max_norm`` itself if
+nothing did before it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+
+from lins_dtensor import clip_grad_norm_, lins_optimizer
+from lins_dtensor.runtime import lins_state
+
+
+def _materialize_masters(model: nn.Module) -> None:
+    """torchtitan builds the model on the meta device, shards it, then materialises and
+    initialises the parameters in place; masters made from meta parameters are still
+    meta. Re-derive them from the initialised parameters before the optimizer exists."""
+    state = lins_state(model)
+    for unit in state.units:
+        if any(m.is_meta for m in unit.masters):
+            unit.init_masters(None)
+
+
+def _flatten(sd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fqn, per_param in sd["state"].items():
+        for name, value in per_param.items():
+            out[f"state.{fqn}.{name}"] = value
+    for group in sd["param_groups"]:
+        for fqn in group["params"]:
+            for key, value in group.items():
+                if key != "params":
+                    out[f"param_groups.{fqn}.{key}"] = value
+    return out
+
+
+def _unflatten(flat: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`_flatten` for the FQNs in ``template`` (an optimizer's own
+    state dict); keys of other model parts are ignored."""
+    state: dict[str, dict[str, Any]] = {}
+    for fqn, per_param in template["state"].items():
+        state[fqn] = {name: flat.get(f"state.{fqn}.{name}", value) for name, value in per_param.items()}
+    groups = []
+    for group in template["param_groups"]:
+        first = group["params"][0] if group["params"] else None
+        new = {key: flat.get(f"param_groups.{first}.{key}", value) for key, value in group.items() if key != "params"}
+        new["params"] = list(group["params"])
+        groups.append(new)
+    return {"state": state, "param_groups": groups}
+
+
+class LinsOptimizersContainer(OptimizersContainer):
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs: dict[str, Any], max_norm: float) -> None:
+        self.model_parts = model_parts
+        self.max_norm = max_norm
+        self._clipped = False
+        self.optimizers = []
+        for model in model_parts:
+            _materialize_masters(model)
+            self.optimizers.append(lins_optimizer(model, optimizer_cls, **optimizer_kwargs))
+        masters = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
+        self._validate_length(len(model_parts))
+        self._post_init(masters, optimizer_kwargs)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every model part by their global norm; returns it."""
+        norms = [clip_grad_norm_(model, max_norm, norm_type) for model in self.model_parts]
+        self._clipped = True
+        if len(norms) == 1:
+            return norms[0]
+        return torch.stack(norms).float().norm(norm_type)
+
+    def step(self, *args, **kwargs) -> None:
+        if not self._clipped and self.max_norm > 0:
+            self.clip_grad_norm_(self.max_norm)
+        self._clipped = False
+        super().step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for opt in self.optimizers for k, v in _flatten(opt.state_dict()).items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for opt in self.optimizers:
+            opt.load_state_dict(_unflatten(state_dict, opt.state_dict()))
+
+
+def build_lins_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims, ft_manager=None):
+    """torchtitan's ``build_optimizers`` contract; Lins models get the Lins container."""
+    from lins_dtensor.integrations.torchtitan.parallelize import MAX_NORM_ATTR
+
+    if not all(hasattr(m, "_lins_state") for m in model_parts):
+        return build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    if optimizer_config.early_step_in_backward:
+        raise NotImplementedError("optimizer.early_step_in_backward is not supported with Lins")
+    classes = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+    if optimizer_config.name not in classes:
+        raise NotImplementedError(f"Optimizer {optimizer_config.name} not added.")
+    kwargs = {
+        "lr": optimizer_config.lr,
+        "betas": (optimizer_config.beta1, optimizer_config.beta2),
+        "eps": optimizer_config.eps,
+        "weight_decay": optimizer_config.weight_decay,
+        # Masters are DTensors on a 4-D mesh: the foreach path works on every device.
+        "foreach": optimizer_config.implementation != "for-loop",
+    }
+    max_norm = min(getattr(m, MAX_NORM_ATTR, 0.0) for m in model_parts)
+    return LinsOptimizersContainer(model_parts, classes[optimizer_config.name], kwargs, max_norm)

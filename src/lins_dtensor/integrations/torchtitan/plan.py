@@ -1,0 +1,123 @@
+"""From the ``[lins]`` section to a validated :class:`LinsPlan` (or a one-line error).
+
+Explicit plans are checked before the process group exists, so a wrong value stops
+the run at start-up with a message that names the key and the rule. ``plan = "auto"``
+asks the planner (``lins_dtensor.planner.choose_plan``), imported only then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from lins_dtensor.plan import PRESET_NAMES, LinsPlan, LinsPlanError
+
+_RESHARD = ("plan", "always", "never")
+_GRAD_DTYPES = ("", "float32", "bfloat16")
+
+
+class LinsConfigError(LinsPlanError):
+    """A ``[lins]`` value torchtitan cannot run with; the message names key and rule."""
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def ranks_per_node(lins, world: int) -> int:
+    value = lins.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if value < 1 or world % value:
+        raise LinsConfigError(
+            f"[lins] ranks_per_node = {lins.ranks_per_node}: must be >= 1 and divide the world size {world}"
+        )
+    return value
+
+
+def check_parallelism(job_config) -> None:
+    """Lins owns the data-parallel dims; other parallelisms are not composed with it yet."""
+    par = job_config.parallelism
+    others = {
+        "tensor_parallel_degree": par.tensor_parallel_degree,
+        "pipeline_parallel_degree": par.pipeline_parallel_degree,
+        "context_parallel_degree": par.context_parallel_degree,
+        "expert_parallel_degree": par.expert_parallel_degree,
+    }
+    for key, value in others.items():
+        if value != 1:
+            raise LinsConfigError(
+                f"[parallelism] {key} = {value}: [lins] enable = true supports data parallelism only "
+                "(tp, pp, cp, ep = 1); set [lins] enable = false to use torchtitan's parallelisms"
+            )
+    if job_config.training.enable_cpu_offload:
+        raise LinsConfigError("[training] enable_cpu_offload = true: not supported with [lins] enable = true")
+    if job_config.optimizer.early_step_in_backward:
+        raise LinsConfigError("[optimizer] early_step_in_backward = true: not supported with [lins] enable = true")
+
+
+def check_config(job_config) -> None:
+    """Validate the ``[lins]`` section against the world size; raises LinsConfigError."""
+    lins = job_config.lins
+    if not lins.enable:
+        return
+    check_parallelism(job_config)
+    if lins.reshard_after_forward not in _RESHARD:
+        raise LinsConfigError(f"[lins] reshard_after_forward = '{lins.reshard_after_forward}': must be one of {_RESHARD}")
+    if lins.grad_dtype not in _GRAD_DTYPES:
+        raise LinsConfigError(f"[lins] grad_dtype = '{lins.grad_dtype}': must be one of {_GRAD_DTYPES[1:]} or empty")
+    if lins.bandwidth_file and not os.path.isfile(lins.bandwidth_file):
+        raise LinsConfigError(f"[lins] bandwidth_file = '{lins.bandwidth_file}': no such file")
+    world = world_size()
+    rpn = ranks_per_node(lins, world)
+    if lins.plan.strip().lower() != "auto":
+        explicit_plan(lins, world, rpn)
+
+
+def explicit_plan(lins, world: int, rpn: int) -> LinsPlan:
+    text = lins.plan
+    try:
+        plan = LinsPlan.parse(text, world)
+    except LinsPlanError as exc:
+        raise LinsConfigError(
+            f"[lins] plan = '{text}': {exc} (presets: {', '.join(PRESET_NAMES)}, or 'auto')"
+        ) from None
+    plan = with_reshard_policy(plan, lins.reshard_after_forward)
+    try:
+        plan.validate(world, rpn)
+    except LinsPlanError as exc:
+        raise LinsConfigError(f"[lins] plan = '{text}' ({plan}) on {world} ranks, {rpn} per node: {exc}") from None
+    return plan
+
+
+def with_reshard_policy(plan: LinsPlan, policy: str) -> LinsPlan:
+    if policy == "always":
+        return dataclasses.replace(plan, reshard_after_forward=True)
+    if policy == "never":
+        return dataclasses.replace(plan, reshard_after_forward=False)
+    return plan
+
+
+@dataclasses.dataclass
+class Resolved:
+    plan: LinsPlan
+    ranks_per_node: int
+    prediction: object | None = None  # planning.Prediction (planner's explanation when auto)
+
+
+def resolve(job_config, model) -> Resolved:
+    """The plan this run uses (explicit, or the planner's choice for ``model``) and the
+    planner's prediction for it."""
+    from lins_dtensor.integrations.torchtitan import planning
+
+    lins = job_config.lins
+    world = world_size()
+    rpn = ranks_per_node(lins, world)
+    if lins.plan.strip().lower() != "auto":
+        plan = explicit_plan(lins, world, rpn)
+        return Resolved(plan, rpn, planning.predict(job_config, model, plan, world, rpn))
+    plan, prediction = planning.choose(job_config, model, world, rpn)
+    plan = with_reshard_policy(plan, lins.reshard_after_forward)
+    try:
+        plan.validate(world, rpn)
+    except LinsPlanError as exc:
+        raise LinsConfigError(f"[lins] plan = 'auto': the planner chose {plan}, which is invalid: {exc}") from None
+    return Resolved(plan, rpn, prediction)

@@ -1,0 +1,146 @@
+"""The bridge to the planner, and the start-up table rank 0 prints.
+
+``plan = "auto"`` asks ``lins_dtensor.planner.choose_plan`` (imported only then) for
+the plan. For every plan, auto or explicit, the planner's cost model predicts the
+chosen plan's memory and step time and those of the named baselines (DDP, ZeRO-1/2/3,
+HSDP/MiCS, hpZ) on the same cluster; that is the table rank 0 prints at start-up and
+writes to TensorBoard. If the planner cannot be imported or fails, explicit plans
+still run and the table shows model-state bytes from the plan alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lins_dtensor.plan import LinsPlan, LinsPlanError
+
+MiB = float(1 << 20)
+
+
+@dataclasses.dataclass
+class Prediction:
+    """What the planner predicts for the chosen plan and the baselines."""
+
+    chosen: object  # lins_dtensor.planner.PlanCost
+    baselines: list  # lins_dtensor.planner.Baseline
+    explanation: object | None = None  # lins_dtensor.planner.Explanation, when auto
+    cluster_text: str = ""
+
+    @property
+    def step_seconds(self) -> float:
+        return float(self.chosen.step_s)
+
+
+def _hardware_name(job_config) -> str:
+    import torch
+
+    if job_config.lins.hardware:
+        return job_config.lins.hardware
+    if not torch.cuda.is_available():
+        return "cpu-emulated"
+    name = torch.cuda.get_device_name().upper()
+    for key in ("H200", "H100", "A800", "A100"):
+        if key in name:
+            return key.lower()
+    return "h100"
+
+
+def _cluster(job_config, world: int, rpn: int):
+    from lins_dtensor.planner import BandwidthTable, ClusterSpec
+
+    bandwidth = BandwidthTable.load(job_config.lins.bandwidth_file) if job_config.lins.bandwidth_file else None
+    return ClusterSpec.preset(_hardware_name(job_config), world, rpn, bandwidth=bandwidth)
+
+
+def _training(job_config, world: int):
+    """The planner's TrainingSpec from torchtitan's [training] section."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    from lins_dtensor.planner import TrainingSpec
+
+    t = job_config.training
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * world
+    return TrainingSpec(
+        seq_len=t.seq_len,
+        micro_batch=t.local_batch_size,
+        global_batch_tokens=global_batch * t.seq_len,
+        activation_checkpointing=job_config.activation_checkpoint.mode != "none",
+        param_bytes=TORCH_DTYPE_MAP[t.mixed_precision_param].itemsize,
+        reduce_bytes=TORCH_DTYPE_MAP[job_config.lins.grad_dtype or t.mixed_precision_reduce].itemsize,
+        activation_bytes=TORCH_DTYPE_MAP[t.mixed_precision_param].itemsize,
+        clip_grad_norm=t.max_norm > 0,
+    )
+
+
+def choose(job_config, model, world: int, rpn: int) -> tuple[LinsPlan, Prediction]:
+    """``plan = "auto"``: the planner's plan, or a one-line LinsConfigError."""
+    from lins_dtensor.integrations.torchtitan.plan import LinsConfigError
+
+    try:
+        from lins_dtensor.planner import choose_plan
+    except ImportError as exc:
+        raise LinsConfigError(
+            f"[lins] plan = 'auto': the planner is not available ({exc}); set [lins] plan to a plan string or preset"
+        ) from None
+    try:
+        plan, explanation = choose_plan(model, _cluster(job_config, world, rpn), _training(job_config, world))
+    except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise LinsConfigError(f"[lins] plan = 'auto': {first}") from None
+    return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster))
+
+
+def predict(job_config, model, plan: LinsPlan, world: int, rpn: int) -> Prediction | None:
+    """The planner's prediction for an explicit plan and the baselines; None if unavailable."""
+    try:
+        from lins_dtensor.planner import Baseline, evaluate, model_from_module
+        from lins_dtensor.planner.search import baseline_plans
+
+        cluster, training = _cluster(job_config, world, rpn), _training(job_config, world)
+        spec = model_from_module(model)
+        baselines = [
+            Baseline(name, p, None if p is None else evaluate(p, spec, cluster, training), note)
+            for name, p, note in baseline_plans(world, rpn)
+        ]
+        return Prediction(evaluate(plan, spec, cluster, training), baselines, None, _cluster_text(cluster))
+    except Exception:  # noqa: BLE001 - the table is informative only; training goes on
+        return None
+
+
+def _cluster_text(cluster) -> str:
+    source = "measured bandwidth table" if cluster.bandwidth is not None else f"{cluster.hardware.name} model"
+    return f"{cluster.gpus} x {cluster.hardware.name} ({cluster.nodes} nodes x {cluster.gpus_per_node}), {source}"
+
+
+def _state_bytes(plan: LinsPlan, num_params: int, param_bytes: int, grad_bytes: int) -> float:
+    return num_params * (param_bytes / plan.params + grad_bytes / plan.grads + 12 / plan.optim)
+
+
+def table(plan: LinsPlan, prediction: Prediction | None, world: int, rpn: int, num_params: int, param_bytes: int, grad_bytes: int) -> str:
+    """The compact start-up report: chosen plan, why, predictions and baselines."""
+    head = f"  {'':<14} {'plan':<18} {'states MiB':>10} {'peak MiB':>9} {'step s':>8} {'vs chosen':>9}"
+    lines = [f"Lins: plan {plan} on {world} ranks ({rpn} per node), {num_params:,} parameters"]
+    if prediction is None:
+        lines += [head.replace(" peak MiB", "         ").rstrip(), f"  {'CHOSEN':<14} {str(plan):<18} {_state_bytes(plan, num_params, param_bytes, grad_bytes) / MiB:10.1f}"]
+        lines.append("why: plan given in [lins] plan (no planner prediction available)")
+        return "\n".join(lines)
+    chosen = prediction.chosen
+    lines[0] += f"; predicted on {prediction.cluster_text}"
+
+    def row(label, cost, note=""):
+        if cost is None:
+            return f"  {label:<14} {note}"
+        ratio = cost.step_s / chosen.step_s if chosen.step_s else float("nan")
+        fits = "" if cost.fits else "  (does not fit)"
+        return (
+            f"  {label:<14} {str(cost.plan):<18} {cost.memory.states / MiB:10.1f} {cost.memory.peak / MiB:9.1f} "
+            f"{cost.step_s:8.4f} {ratio:8.2f}x{fits}"
+        )
+
+    lines += [head, row("CHOSEN", chosen)]
+    lines += [row(b.name, b.cost, b.note) for b in prediction.baselines]
+    if prediction.explanation is not None:
+        lines.append(f"why: {prediction.explanation.reason}")
+    else:
+        lines.append("why: plan given in [lins] plan (set plan = \"auto\" to let the planner choose)")
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""``lins-plan``: choose a plan (default) or ``lins-plan profile``: measure bandwidth.
+
+Every expected failure (bad preset, impossible cluster, nothing fits) is one line on
+stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from lins_dtensor.plan import LinsPlanError
+from lins_dtensor.planner.bandwidth import BandwidthTable
+from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, GiB, hardware_preset
+from lins_dtensor.planner.models import MODEL_PRESETS, PlannerError, model_preset
+from lins_dtensor.planner.report import to_json, to_text
+from lins_dtensor.planner.search import search
+from lins_dtensor.planner.training import TrainingSpec
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not the usage block
+        raise PlannerError(message)
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="lins-plan", description="Choose Lins sharding factors (s_p, s_g, s_os) by predicted step time. "
+                "'lins-plan profile --help' measures a bandwidth table.")
+    p.add_argument("--model", required=True, help=f"preset: {', '.join(MODEL_PRESETS)}")
+    p.add_argument("--gpus", type=int, required=True, help="total ranks")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: the hardware's)")
+    p.add_argument("--hardware", default="a800", help=f"preset: {', '.join(HARDWARE_PRESETS)}")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step (default: one micro-batch per rank)")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--bandwidth", metavar="FILE", help="JSON table from 'lins-plan profile'")
+    p.add_argument("--memory-budget-gib", type=float, default=None, help="usable memory per rank (default: device memory less a reserve)")
+    p.add_argument("--inter-node-gbit", type=float, default=None, help="override the hardware's inter-node bandwidth per node (Gbit/s)")
+    p.add_argument("--reduce-dtype", choices=sorted(_DTYPE_BYTES), default="fp32", help="gradient reduce/accumulate dtype (runtime default fp32)")
+    p.add_argument("--no-overlap", action="store_true", help="expose every collective (worst case)")
+    p.add_argument("--overlap-fraction", type=float, default=0.8, help="share of a phase's compute that can hide its collectives")
+    p.add_argument("--overlap-step", action="store_true", help="model the paper's executor: optimizer-step collectives overlap backward/next forward")
+    p.add_argument("--tie-tolerance", type=float, default=0.02, help="near-ties within this fraction go to the plan with the least inter-node traffic")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def build_inputs(args: argparse.Namespace) -> tuple:
+    model = model_preset(args.model)
+    hw = hardware_preset(args.hardware)
+    if args.inter_node_gbit is not None:
+        if args.inter_node_gbit <= 0:
+            raise PlannerError("--inter-node-gbit must be > 0")
+        hw = dataclasses.replace(hw, inter_bw=args.inter_node_gbit * 1e9 / 8)
+    table = BandwidthTable.load(args.bandwidth) if args.bandwidth else None
+    budget = None
+    if args.memory_budget_gib is not None:
+        if args.memory_budget_gib <= 0:
+            raise PlannerError("--memory-budget-gib must be > 0")
+        budget = args.memory_budget_gib * GiB
+    rpn = args.gpus_per_node if args.gpus_per_node is not None else min(hw.ranks_per_node, max(args.gpus, 1))
+    cluster = ClusterSpec(args.gpus, rpn, hw, table, budget)
+    training = TrainingSpec(
+        seq_len=args.seq_len, micro_batch=args.micro_batch, global_batch_tokens=args.global_batch_tokens,
+        activation_checkpointing=args.activation_checkpointing, reduce_bytes=_DTYPE_BYTES[args.reduce_dtype],
+        overlap=not args.no_overlap, overlap_fraction=args.overlap_fraction, overlap_step=args.overlap_step,
+    )
+    return model, cluster, training
+
+
+def run_plan(argv: list[str]) -> int:
+    args = plan_parser().parse_args(argv)
+    model, cluster, training = build_inputs(args)
+    explanation = search(model, cluster, training, tie_tolerance=args.tie_tolerance)
+    if args.json:
+        print(json.dumps(to_json(explanation, args.top)))
+    else:
+        print(to_text(explanation, args.top))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "profile":
+            from lins_dtensor.planner.profile import run_profile
+
+            return run_profile(argv[1:])
+        return run_plan(argv)
+    except (PlannerError, LinsPlanError) as exc:
+        print(f"lins-plan: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lins-plan: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Turn an :class:`Explanation` into the table people read or the JSON tools read."""
+
+from __future__ import annotations
+
+from lins_dtensor.planner.cost import PlanCost
+from lins_dtensor.planner.memory import GiB
+from lins_dtensor.planner.search import Explanation
+
+
+def plan_record(cost: PlanCost, ranks_per_node: int) -> dict:
+    """One plan's factors, their (in-node, nodes) split, predicted time, MFU and memory."""
+    plan = cost.plan
+    split = plan.split(ranks_per_node)
+    return {
+        "plan": str(plan),
+        "params": plan.params,
+        "grads": plan.grads,
+        "optim": plan.optim,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "split": {state: list(v) for state, v in split.items()},
+        "step_time_s": round(cost.step_s, 6),
+        "mfu": round(cost.mfu, 4),
+        "tokens_per_s": round(cost.tokens_per_s, 1),
+        "fits": cost.fits,
+        "memory_gib": cost.memory.gib(),
+        "over_budget_gib": round(max(0.0, cost.over_bytes) / GiB, 3),
+        "compute_s": {k: round(v, 6) for k, v in cost.compute_s.items()},
+        "comm_s": {k: round(v, 6) for k, v in cost.comm_s.items()},
+        "exposed_comm_s": {k: round(v, 6) for k, v in cost.exposed_s.items()},
+        "network_gb_per_rank": {link: round(cost.link_bytes(link) / 1e9, 4) for link in ("intra", "inter")},
+    }
+
+
+def to_json(ex: Explanation, top: int = 10) -> dict:
+    rpn = ex.cluster.gpus_per_node
+    win = ex.cost
+    baselines = []
+    for b in ex.baselines:
+        entry = {"name": b.name, "note": b.note}
+        if b.cost is not None:
+            entry.update(plan_record(b.cost, rpn))
+            entry["speedup_of_chosen"] = round(b.cost.step_s / win.step_s, 4)
+        baselines.append(entry)
+    return {
+        "model": {"name": ex.model.name, "params": ex.model.num_params},
+        "cluster": {
+            "gpus": ex.cluster.gpus, "gpus_per_node": rpn, "nodes": ex.cluster.nodes,
+            "hardware": ex.cluster.hardware.name, "memory_budget_gib": round(ex.cluster.memory_budget / GiB, 3),
+            "bandwidth": "table" if ex.cluster.bandwidth is not None else "alpha-beta",
+        },
+        "training": {
+            "seq_len": ex.training.seq_len, "micro_batch": ex.training.micro_batch,
+            "global_batch_tokens": ex.training.global_batch_tokens, "microbatches": ex.microbatches,
+            "activation_checkpointing": ex.training.activation_checkpointing, "overlap": ex.training.overlap,
+            "overlap_step": ex.training.overlap_step, "reduce_bytes": ex.training.reduce_bytes,
+        },
+        "chosen": plan_record(win, rpn),
+        "reason": ex.reason,
+        "baselines": baselines,
+        "top": [plan_record(c, rpn) for c in ex.ranked[:top]],
+        "evaluated": len(ex.ranked) + len(ex.dropped),
+        "dropped": {
+            "count": len(ex.dropped),
+            "closest": plan_record(ex.dropped[0], rpn) if ex.dropped else None,
+        },
+        "table_fallbacks": [list(s) for s in ex.table_fallbacks],
+    }
+
+
+def _split_text(cost: PlanCost, rpn: int) -> str:
+    split = cost.plan.split(rpn)
+    return " | ".join(f"{a}x{b}" for a, b in split.values())
+
+
+def _row(label: str, cost: PlanCost | None, rpn: int, win: PlanCost, note: str = "") -> str:
+    if cost is None:
+        return f"  {label:<16} {note}"
+    mem = f"{cost.memory.peak / GiB:6.1f}" + ("" if cost.fits else f" (OOM +{cost.over_bytes / GiB:.1f})")
+    speed = f"{cost.step_s / win.step_s:6.2f}x"
+    return (
+        f"  {label:<16} {str(cost.plan):<26} {_split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}% "
+        f"{mem:<16} {cost.link_bytes('inter') / 1e9:8.2f} {speed}"
+    )
+
+
+def to_text(ex: Explanation, top: int = 10) -> str:
+    rpn = ex.cluster.gpus_per_node
+    win = ex.cost
+    t = ex.training
+    lines = [
+        f"Lins planner: {ex.model.name} ({ex.model.num_params / 1e9:.2f} B params) on {ex.cluster.gpus} x "
+        f"{ex.cluster.hardware.name} ({ex.cluster.nodes} nodes x {rpn}), seq {t.seq_len}, micro-batch {t.micro_batch}, "
+        f"M={ex.microbatches} micro-batches/step"
+        + (", activation checkpointing" if t.activation_checkpointing else "")
+        + (", overlap off" if not t.overlap else (", step overlapped (paper executor)" if t.overlap_step else "")),
+        f"bandwidth: {'measured table' if ex.cluster.bandwidth is not None else 'alpha-beta model of ' + ex.cluster.hardware.name}"
+        + (f" (alpha-beta for {len(ex.table_fallbacks)} unmeasured shapes)" if ex.table_fallbacks else "")
+        + f"; memory budget {ex.cluster.memory_budget / GiB:.1f} GiB per rank",
+        f"{len(ex.ranked) + len(ex.dropped)} valid plans, {len(ex.dropped)} dropped for memory"
+        + (
+            f" (closest miss {ex.dropped[0].plan}: {ex.dropped[0].memory.peak / GiB:.1f} GiB, "
+            f"{ex.dropped[0].over_bytes / GiB:.1f} GiB over)" if ex.dropped else ""
+        ),
+        "",
+        f"  {'':<16} {'plan':<26} {'split P | G | OS':<20} {'step s':>8} {'MFU':>6} {'mem GiB':<16} {'inter GB':>8} {'vs best':>7}",
+        _row("CHOSEN", win, rpn, win),
+    ]
+    m = win.memory.gib()
+    lines.append(
+        f"  {'':<16} memory GiB: P {m['params']:.2f}  G {m['grads']:.2f}  OS {m['optim']:.2f}  "
+        f"activations {m['activations']:.2f}  buffers {m['buffers']:.2f}  step {m['step_buffers']:.2f}"
+    )
+    lines += ["", "Baselines:"]
+    lines += [_row(b.name, b.cost, rpn, win, b.note) for b in ex.baselines]
+    lines += ["", f"Top {min(top, len(ex.ranked))} by predicted step time:"]
+    lines += [_row(f"#{i + 1}" + (" *" if c is win else ""), c, rpn, win) for i, c in enumerate(ex.ranked[:top])]
+    lines += ["", f"Why: {ex.reason}"]
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""Launch torchtitan's trainer with Lins: ``python -m lins_dtensor.train --job.config_file X.toml``.
+
+Same arguments as ``torchtitan.train`` (``--section.key value`` overrides the TOML);
+works under ``torchrun`` and, for one process, without it. On a machine without a
+GPU it installs the CPU/gloo shims (:mod:`lins_dtensor.integrations.torchtitan.cpu`)
+first. Hub access is off (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``) unless the
+environment says otherwise. A wrong ``[lins]`` value ends the run with one line
+``lins: error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _single_process_env() -> None:
+    """Let ``python -m lins_dtensor.train`` run as a world of one without torchrun."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+def main() -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    _single_process_env()
+
+    # Registers the lins_llama3 TrainSpec and dataset, and patches torchtitan for CPU.
+    import lins_dtensor.integrations.torchtitan  # noqa: F401
+    import torchtitan.train as titan_train
+    from lins_dtensor.integrations.torchtitan.trainer import LinsTrainer
+    from lins_dtensor.plan import LinsPlanError
+
+    try:
+        titan_train.main(LinsTrainer)  # parses sys.argv like torchtitan.train
+    except LinsPlanError as exc:
+        print(f"lins: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

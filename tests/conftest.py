@@ -1,0 +1,66 @@
+"""Shared, cached multi-process runs: each spawns its ranks once for many plans."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+warnings.filterwarnings("ignore", message=".*sequential all_gather operations.*")
+
+from distributed import run  # noqa: E402
+from scenarios import reference, train_fsdp, train_lins  # noqa: E402
+
+from lins_dtensor import valid_plans  # noqa: E402
+
+STEPS = 3
+WORLD8_PLANS = ["p=1,g=1,os=8", "p=2,g=2,os=8", "p=2,g=4,os=8", "p=4,g=4,os=4", "p=8,g=8,os=8", "hpz:4"]
+
+
+def _configs(plans, ranks_per_node, microbatches=(1, 3), **extra):
+    return [dict(plan=str(p), microbatches=m, steps=STEPS, ranks_per_node=ranks_per_node, **extra) for p in plans for m in microbatches]
+
+
+@pytest.fixture(scope="session")
+def world4_runs():
+    """Every valid plan at world 4 (2 nodes x 2 ranks), hpZ included, M in {1, 3}."""
+    return run(train_lins, 4, _configs(valid_plans(4, 2, with_hpz=True), 2))
+
+
+@pytest.fixture(scope="session")
+def world8_runs():
+    return run(train_lins, 8, _configs(WORLD8_PLANS, 4))
+
+
+@pytest.fixture(scope="session")
+def references():
+    return {(world, m): reference(world, m, STEPS) for world in (4, 8) for m in (1, 3)}
+
+
+@pytest.fixture(scope="session")
+def fsdp_runs():
+    """FSDP2 full sharding and HSDP at world 4, fp32 and bf16, with Lins' equivalents."""
+    fsdp_cfgs = [
+        dict(shard=4, microbatches=3, steps=STEPS, ranks_per_node=2),
+        dict(shard=2, microbatches=1, steps=STEPS, ranks_per_node=2),
+        dict(shard=4, microbatches=1, steps=STEPS, ranks_per_node=2, param_dtype=_bf16()),
+        dict(shard=2, microbatches=1, steps=STEPS, ranks_per_node=2, param_dtype=_bf16()),
+    ]
+    lins_cfgs = [
+        dict(plan="fsdp", microbatches=3, steps=STEPS, ranks_per_node=2),
+        dict(plan="hsdp:2", microbatches=1, steps=STEPS, ranks_per_node=2),
+        dict(plan="fsdp", microbatches=1, steps=STEPS, ranks_per_node=2, param_dtype=_bf16()),
+        dict(plan="hsdp:2", microbatches=1, steps=STEPS, ranks_per_node=2, param_dtype=_bf16()),
+        dict(plan="zero1", microbatches=1, steps=STEPS, ranks_per_node=2, param_dtype=_bf16()),
+        dict(plan="p=1,g=2,os=4", microbatches=1, steps=STEPS, ranks_per_node=2, param_dtype=_bf16()),
+    ]
+    return run(train_fsdp, 4, fsdp_cfgs), run(train_lins, 4, lins_cfgs)
+
+
+def _bf16():
+    import torch
+
+    return torch.bfloat16

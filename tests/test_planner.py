@@ -1,0 +1,288 @@
+"""The planner: enumeration, bytes and memory agree with lins_dtensor.schedule, CLI, profiler."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from lins_dtensor.mesh import MESH_DIMS
+from lins_dtensor.plan import LinsPlan
+from lins_dtensor.planner import (
+    BandwidthTable,
+    ClusterSpec,
+    ModelSpec,
+    PlannerError,
+    TrainingSpec,
+    choose_plan,
+    evaluate,
+    memory_breakdown,
+    model_from_module,
+    model_preset,
+    search,
+)
+from lins_dtensor.planner.bandwidth import CollectiveTimer, alpha_beta_seconds
+from lins_dtensor.planner.cli import main
+from lins_dtensor.planner.hardware import hardware_preset
+from lins_dtensor.planner.profile import message_sizes, needed_shapes, parse_size, shape_groups
+from lins_dtensor.schedule import Op, UnitGeometry, UnitSchedule, state_memory_bytes, step_collectives
+
+PAPER = dict(seq_len=4096, micro_batch=1, global_batch_tokens=4 * 1024 * 1024)
+
+
+def _units(model: ModelSpec, plan: LinsPlan) -> list[UnitSchedule]:
+    """Built here independently of the planner: rank coordinate 0, one unit per shape list."""
+    coords = dict.fromkeys(MESH_DIMS, 0)
+    return [UnitSchedule(UnitGeometry.build([torch.Size(s) for s in shapes], plan, coords)) for shapes in model.unit_shapes()]
+
+
+# ----- models ----------------------------------------------------------------------------
+def test_presets_follow_llama_rules():
+    assert model_preset("debugmodel").ffn_dim == 768
+    assert model_preset("llama3_8b").ffn_dim == 14336
+    assert model_preset("llama3_70b").ffn_dim == 28672
+    assert model_preset("llama3_405b").ffn_dim == 53248
+    assert abs(model_preset("llama3_8b").num_params / 1e9 - 8.03) < 0.01
+    assert abs(model_preset("llama_7b").num_params / 1e9 - 6.74) < 0.01
+    assert abs(model_preset("llama_13b").num_params / 1e9 - 13.02) < 0.01
+    assert abs(model_preset("llama_30b").num_params / 1e9 - 32.53) < 0.01
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Linear(d, 2 * d, bias=False)
+        self.norm = nn.LayerNorm(d)
+
+
+class _Tiny(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 16, layers: int = 3) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_Block(d) for _ in range(layers))
+        self.out = nn.Linear(d, vocab, bias=False)
+
+
+def test_module_shapes_are_read_in_runtime_units():
+    spec = model_from_module(_Tiny(), n_heads=2)
+    assert (spec.dim, spec.n_layers, spec.vocab_size) == (16, 3, 64)
+    assert spec.num_params == sum(p.numel() for p in _Tiny().parameters())
+    assert len(spec.unit_shapes()) == 1 + 3 + 1
+    assert spec.matmul_params == spec.num_params - 64 * 16
+    plan, ex = choose_plan(_Tiny(), ClusterSpec.preset("cpu-emulated", 4, 2), TrainingSpec(seq_len=32), n_heads=2)
+    assert ex.cost.fits and plan == ex.plan
+    with pytest.raises(PlannerError, match="n_heads"):
+        model_from_module(_Tiny())
+
+
+# ----- enumeration -----------------------------------------------------------------------
+def _hand_set(pairs, hpz):
+    plans = {LinsPlan(*f) for f in pairs}
+    return plans | {LinsPlan(*f, reshard_after_forward=k) for f, k in hpz}
+
+
+CHAINS_3 = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 2), (1, 2, 4), (1, 4, 4), (2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 4, 4)]
+
+
+@pytest.mark.parametrize(
+    "world, rpn, expected",
+    [
+        # N=4, 2 per node: every nested chain over {1, 2, 4}, plus hpZ k=2 under p=4.
+        (4, 2, _hand_set(CHAINS_3, [((4, 4, 4), 2)])),
+        # N=6, 3 per node: 2 is neither a divisor nor a multiple of 3, so chains over
+        # {1, 3, 6}; hpZ under p=6 only with k=3.
+        (6, 3, _hand_set([tuple({1: 1, 2: 3, 4: 6}[x] for x in c) for c in CHAINS_3], [((6, 6, 6), 3)])),
+    ],
+)
+def test_search_enumerates_exactly_the_valid_plans(world, rpn, expected):
+    assert len(expected) == 11
+    ex = search("debugmodel", ClusterSpec.preset("cpu-emulated", world, rpn), TrainingSpec(seq_len=64))
+    seen = {c.plan for c in ex.ranked} | {c.plan for c in ex.dropped}
+    assert seen == expected
+
+
+# ----- bytes and memory agree with schedule.py -------------------------------------------
+@pytest.mark.parametrize("text", ["p=2,g=4,os=8", "p=1,g=1,os=8", "p=8,g=8,os=8,hpz=2", "p=4,g=4,os=4", "ddp"])
+def test_planner_bytes_equal_step_collectives(text):
+    model, world, rpn, m = model_preset("debugmodel"), 8, 4, 3
+    plan = LinsPlan.parse(text, world)
+    training = TrainingSpec(seq_len=64, global_batch_tokens=64 * world * m)
+    cost = evaluate(plan, model, ClusterSpec.preset("cpu-emulated", world, rpn), training)
+    expected = step_collectives(plan, _units(model, plan), world_size=world, ranks_per_node=rpn, microbatches=m, param_bytes=2, reduce_bytes=4)
+    assert sorted(cost.records, key=repr) == sorted(expected, key=repr)
+    assert sum(r.wire_bytes for r in cost.records) == pytest.approx(sum(r.wire_bytes for r in expected))
+    # debugmodel has no padding at these factors: the closed form of schedule.py holds.
+    phi = model.num_params
+    gathers = sum(r.message_bytes * r.count for r in cost.records if r.name == "param_all_gather")
+    assert gathers == (m * phi * 2 if plan.params > 1 else 0)
+
+
+@pytest.mark.parametrize("text", ["p=2,g=4,os=8", "p=1,g=1,os=8", "p=8,g=8,os=8", "ddp"])
+def test_memory_states_equal_state_memory_bytes(text):
+    model, world = model_preset("debugmodel"), 8
+    plan = LinsPlan.parse(text, world)
+    memory = memory_breakdown(model, plan, TrainingSpec(seq_len=64))
+    expected = state_memory_bytes(_units(model, plan), param_bytes=2, reduce_bytes=4, master_bytes=4, optim_states=2)
+    assert (memory.params, memory.grads, memory.optim) == (expected["params"], expected["grads"], expected["optim"])
+    phi = model.num_params
+    assert (memory.params, memory.grads, memory.optim) == (2 * phi // plan.params, 4 * phi // plan.grads, 12 * phi // plan.optim)
+
+
+def test_padding_uses_rank0_ceil_chunks():
+    # 7 rows cut 4 ways: rank 0 holds ceil(7/4)=2 rows, so P is 2*5 elements, not 7*5/4.
+    model = ModelSpec("odd", 8, 1, 1, 8, 8, units=(((7, 5),),), embedding_params=0)
+    memory = memory_breakdown(model, LinsPlan(4, 4, 4), TrainingSpec(seq_len=8))
+    assert memory.params == 2 * 5 * 2
+
+
+def test_activation_checkpointing_and_overlap_switches():
+    cluster = ClusterSpec.preset("a800", 64)
+    base = TrainingSpec(**PAPER)
+    plan = LinsPlan(64, 64, 64)
+    full = evaluate(plan, model_preset("llama_7b"), cluster, base)
+    ckpt = evaluate(plan, model_preset("llama_7b"), cluster, TrainingSpec(**PAPER, activation_checkpointing=True))
+    exposed = evaluate(plan, model_preset("llama_7b"), cluster, TrainingSpec(**PAPER, overlap=False))
+    assert ckpt.memory.activations < full.memory.activations / 4
+    assert ckpt.compute_s["backward"] > full.compute_s["backward"]
+    assert exposed.step_s > full.step_s
+    assert exposed.step_s == pytest.approx(sum(exposed.compute_s.values()) + sum(exposed.comm_s.values()))
+
+
+# ----- bandwidth ---------------------------------------------------------------------------
+def test_table_log_interpolation_and_fallback():
+    table = BandwidthTable(2, {("all_gather", 2, 1): [(1e3, 1e-4), (1e5, 1e-2)]})
+    assert table.seconds("all_gather", 2, 1, 1e4) == pytest.approx(1e-3)  # log-log midpoint
+    assert table.seconds("all_gather", 2, 1, 10) == pytest.approx(1e-4)  # latency floor
+    assert table.seconds("all_gather", 2, 1, 1e6) == pytest.approx(1e-1)  # linear above
+    assert table.seconds("all_reduce", 2, 1, 1e4) is None
+    again = BandwidthTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.entries == table.entries
+    hw = hardware_preset("a800")
+    timer = CollectiveTimer(hw, 2, table)
+    assert timer.seconds("all_reduce", 2, 1, 1e4) == alpha_beta_seconds(hw, 2, "all_reduce", 2, 1, 1e4)
+    assert timer.fallbacks == {("all_reduce", 2, 1)}
+
+
+def test_alpha_beta_charges_nic_sharing():
+    hw = hardware_preset("a800")
+    # One rank per node in the group: 8 groups share each node's NICs.
+    sparse = alpha_beta_seconds(hw, 8, Op.ALL_GATHER.value, 16, 16, 1e9)
+    dense = alpha_beta_seconds(hw, 8, Op.ALL_GATHER.value, 16, 2, 1e9)
+    intra = alpha_beta_seconds(hw, 8, Op.ALL_GATHER.value, 8, 1, 1e9)
+    assert sparse > 5 * dense and dense > intra
+
+
+def test_profiler_shapes_and_groups():
+    assert parse_size("64KiB") == 65536 and parse_size("256MiB") == 256 << 20
+    assert message_sizes(64 << 10, 256 << 20)[:2] == [64 << 10, 256 << 10] and message_sizes(64 << 10, 256 << 20)[-1] == 256 << 20
+    shapes = needed_shapes(8, 2)
+    assert ("all_reduce", 1, 4) in shapes and ("all_gather", 2, 1) in shapes
+    groups = shape_groups(8, 2, 1, 2)
+    assert sorted(sum(groups, [])) == list(range(8))
+    assert all({r // 2 for r in g} == {g[0] // 2, g[1] // 2} and len({r // 2 for r in g}) == 2 for g in groups)
+
+
+def _profile_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from lins_dtensor.planner.profile import profile_bandwidth
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        table = profile_bandwidth([1024, 4096], ranks_per_node=1, iters=2)
+        if rank == 0:
+            table.save(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_profiler_under_spawn_feeds_the_planner(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "bw.json")
+    ctx = mp.spawn(_profile_worker, args=(2, port, out), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("profiler did not finish in 120 s")
+    table = BandwidthTable.load(out)
+    assert set(table.entries) == set(needed_shapes(2, 1))
+    assert all(len(pts) == 2 and all(t > 0 for _, t in pts) for pts in table.entries.values())
+    cluster = ClusterSpec.preset("cpu-emulated", 2, 1, bandwidth=table)
+    _, ex = choose_plan("debugmodel", cluster, TrainingSpec(seq_len=64))
+    assert ex.table_fallbacks == []
+    assert main(["--model", "debugmodel", "--gpus", "2", "--gpus-per-node", "1", "--hardware", "cpu-emulated", "--seq-len", "64", "--bandwidth", out]) == 0
+
+
+# ----- search and CLI ----------------------------------------------------------------------
+def test_paper_setting_produces_a_plan_with_baselines():
+    plan, ex = choose_plan("llama_7b", ClusterSpec.preset("a800", 1024, 8), TrainingSpec(**PAPER))
+    assert ex.microbatches == 1 and ex.cost.fits and 0 < ex.cost.mfu < hardware_preset("a800").efficiency
+    plan.validate(1024, 8)
+    names = [b.name for b in ex.baselines]
+    assert names == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3/FSDP", "HSDP/MiCS k=8", "ZeRO++ hpZ k=8"]
+    assert all(b.cost is not None for b in ex.baselines)
+    fitting = [b.cost.step_s for b in ex.baselines if b.cost.fits]
+    assert ex.cost.step_s <= min(fitting)
+    assert not next(b for b in ex.baselines if b.name == "DDP").cost.fits  # 7B DDP does not fit 80 GB
+    assert "faster than" in ex.reason and "link" in ex.reason
+
+
+def test_cli_human_and_json(capsys):
+    args = ["--model", "llama_13b", "--gpus", "64", "--gpus-per-node", "8", "--hardware", "a800", "--seq-len", "4096", "--global-batch-tokens", str(4 << 20)]
+    assert main(args + ["--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "CHOSEN" in text and "ZeRO++ hpZ k=8" in text and "Why:" in text and "dropped for memory" in text
+    assert main(args + ["--json", "--no-overlap"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    chosen = data["chosen"]
+    assert chosen["split"]["optim"][0] * chosen["split"]["optim"][1] == chosen["optim"]
+    assert {"step_time_s", "mfu", "memory_gib", "params", "grads", "optim"} <= set(chosen)
+    assert len(data["baselines"]) == 6 and all("speedup_of_chosen" in b for b in data["baselines"])
+    assert data["training"]["microbatches"] == 16 and data["training"]["overlap"] is False
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "gpt9", "--gpus", "8"], "unknown model preset"),
+        (["--model", "llama_7b", "--gpus", "12", "--gpus-per-node", "8"], "not divisible"),
+        (["--model", "llama3_405b", "--gpus", "8"], "fits no plan"),
+        (["--model", "llama_7b", "--gpus", "8", "--hardware", "tpu9"], "unknown hardware"),
+        (["--model", "llama_7b", "--gpus", "8", "--global-batch-tokens", "100"], "global batch"),
+        (["--model", "llama_7b", "--gpus", "8", "--bandwidth", "/nonexistent.json"], "cannot read"),
+        (["--gpus", "8"], "required"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(argv, message, capsys):
+    assert main(argv) != 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and message in captured.err and "Traceback" not in captured.err
+
+
+def test_module_entry_point_and_no_traceback():
+    env = dict(os.environ)
+    ok = subprocess.run([sys.executable, "-m", "lins_dtensor.planner", "--model", "debugmodel", "--gpus", "4", "--hardware", "cpu-emulated", "--seq-len", "64", "--json"],
+                        capture_output=True, text=True, timeout=120, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["chosen"]["plan"]
+    bad = subprocess.run([sys.executable, "-m", "lins_dtensor.planner", "--model", "llama_7b", "--gpus", "12", "--gpus-per-node", "8"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode != 0 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
+    assert math.isfinite(len(bad.stderr))

@@ -1,0 +1,93 @@
+"""Accounting: the collectives the runtime records are the ones the schedule predicts,
+and their bytes and the persistent memory follow the closed forms in the docs."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run
+from scenarios import train_lins
+from lins_dtensor import LinsPlan
+from lins_dtensor.schedule import CollectiveRecord, Op, summarize
+
+
+def test_recorded_collectives_equal_schedule_on_every_rank(world4_runs):
+    for run_ in world4_runs:
+        for rank, info in enumerate(run_["per_rank"]):
+            assert info["bytes_match"], f"{run_['config']} rank {rank}: counted {info['counted']} predicted {info['predicted']}"
+
+
+@pytest.mark.slow
+def test_recorded_collectives_equal_schedule_world8(world8_runs):
+    for run_ in world8_runs:
+        for rank, info in enumerate(run_["per_rank"]):
+            assert info["bytes_match"], f"{run_['config']} rank {rank}: counted {info['counted']} predicted {info['predicted']}"
+
+
+def test_measured_memory_equals_schedule_with_padding(world4_runs):
+    for run_ in world4_runs:
+        for info in run_["per_rank"]:
+            assert info["memory"] == info["memory_expected"], run_["config"]
+
+
+EVEN = dict(vocab=64, dim=32, n_heads=8, hidden=64)  # every dim0 divisible by 8: no padding
+PHI = 64 * 32 * 2 + 2 * (32 * 2 + 8 + 4 * 32 * 32 + 3 * 32 * 64) + 32
+
+
+@pytest.fixture(scope="module")
+def even_runs():
+    plans = ["p=1,g=1,os=8", "p=2,g=4,os=8", "p=4,g=4,os=4", "p=8,g=8,os=8"]
+    cfgs = [dict(plan=p, microbatches=2, steps=1, ranks_per_node=4, model_kwargs=EVEN) for p in plans]
+    return run(train_lins, 8, cfgs)
+
+
+@pytest.mark.slow
+def test_bytes_follow_closed_form(even_runs):
+    """Closed forms of schedule.py's docstring, fp32 everywhere (b_p = b_r = 4), M = 2."""
+    n, m, b = 8, 2, 4
+    for run_ in even_runs:
+        plan = LinsPlan.parse(run_["config"]["plan"], n)
+        sp, sg, so = plan.params, plan.grads, plan.optim
+        records = [CollectiveRecord(name, "", Op(op), size, nodes, nbytes, count) for (name, op, size, nodes, nbytes), count in run_["records"].items()]
+        by_name = {}
+        for r in records:
+            by_name[r.name] = by_name.get(r.name, 0) + r.wire_bytes
+        expected = {
+            "param_all_gather": m * (sp - 1) / sp * PHI * b,
+            "param_regather": m * (sp - 1) / sp * (PHI - 2 * 64 * 32 - 32) * b,  # not the output/embedding? see below
+        }
+        # Every unit is resharded after forward except the (parameter-less) root, so the
+        # backward re-gather moves as much as the forward gather.
+        expected["param_regather"] = expected["param_all_gather"]
+        expected["grad_reduce_scatter"] = m * (sp - 1) / sp * PHI * b
+        expected["grad_shard_reduce_scatter"] = m * (1 / sp - 1 / sg) * PHI * b
+        expected["optim_reduce_scatter"] = (1 / sg - 1 / so) * PHI * b
+        expected["optim_all_reduce"] = 2 * (1 / so - 1 / n) * PHI * b
+        expected["update_gather_optim"] = (1 / sg - 1 / so) * PHI * b
+        expected["update_gather_grad"] = (1 / sp - 1 / sg) * PHI * b
+        for name, value in expected.items():
+            assert by_name.get(name, 0.0) == pytest.approx(value, rel=1e-9), (plan, name)
+
+
+@pytest.mark.slow
+def test_memory_within_5_percent_of_closed_form(even_runs):
+    """2Φ/s_p + 4Φ/s_g + 12Φ/s_os in the paper's bf16 form; here fp32 P: 4Φ/s_p."""
+    for run_ in even_runs:
+        plan = LinsPlan.parse(run_["config"]["plan"], 8)
+        closed = {"params": 4 * PHI / plan.params, "grads": 4 * PHI / plan.grads, "optim": 12 * PHI / plan.optim}
+        for info in run_["per_rank"]:
+            for state, value in closed.items():
+                assert abs(info["memory"][state] - value) <= 0.05 * value, (plan, state, info["memory"][state], value)
+
+
+def test_summarize_groups_by_state_op_link():
+    records = [
+        CollectiveRecord("a", "params", Op.ALL_GATHER, 4, 2, 100, count=2),
+        CollectiveRecord("b", "params", Op.ALL_GATHER, 2, 1, 10),
+        CollectiveRecord("c", "optim", Op.ALL_REDUCE, 2, 2, 8),
+    ]
+    out = summarize(records)
+    assert out[("params", "all_gather", "inter")]["message_bytes"] == 200
+    assert out[("params", "all_gather", "inter")]["wire_bytes"] == pytest.approx(150)
+    assert out[("optim", "all_reduce", "inter")]["wire_bytes"] == pytest.approx(8)
+    assert out[("params", "all_gather", "intra")]["count"] == 1

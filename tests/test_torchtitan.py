@@ -1,0 +1,161 @@
+"""torchtitan integration: the trainer runs with Lins on 4 CPU ranks (gloo).
+
+Quick (unmarked): a wrong [lins] value stops the run with a one-line message, and one
+end-to-end run whose loss falls and whose TensorBoard has the lins/* scalars.
+Slow: parity with torchtitan's own FSDP from one seed checkpoint (fsdp preset and a
+Lins-only plan, with activation checkpointing, gradient accumulation and clipping),
+bf16 mixed precision, and save/resume.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from titan_runs import base_args, check, losses, scalars, texts, train
+
+# Parity tolerance. Both runs start from the same seed checkpoint, see the same
+# batches and compute the same math in fp32; only the order of floating-point sums
+# differs (FSDP reduce-scatters each gradient over 4 ranks at once, Lins over its P
+# group then over the G/OS groups, and the norm for clipping is summed per shard).
+# That is ~1e-7 relative per reduction; over 6 AdamW steps it grows (Adam divides by
+# sqrt(v), so tiny gradients' relative errors pass through) but stays well below
+# 1e-4 relative on the loss, while a real bug (wrong divide factor, missing shard,
+# unclipped step) moves the loss by > 1e-2 within two steps.
+LOSS_RTOL = 1e-4
+BF16_RTOL = 2e-3  # bf16 params: one rounding of the same fp32 masters, summation order
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """One tokenizer/corpus folder for every run (built once, by the first run)."""
+    return tmp_path_factory.mktemp("assets")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "override, key, rule",
+    [
+        ("plan=zero4", "[lins] plan = 'zero4'", "presets"),
+        ("plan=p=3,g=3,os=3", "[lins] plan = 'p=3,g=3,os=3'", "must divide world_size=4"),
+        ("grad_dtype=float16", "[lins] grad_dtype = 'float16'", "must be one of"),
+    ],
+)
+def test_wrong_lins_value_stops_at_startup(tmp_path, assets, override, key, rule):
+    name, value = override.split("=", 1)
+    # The check runs before any process group exists: one process that believes it
+    # is rank 0 of 4 is enough.
+    proc = train(
+        base_args(tmp_path, assets, 2, f"--lins.{name}", value),
+        nproc=1,
+        timeout=100,
+        extra_env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lins: error:")]
+    assert len(errors) == 1 and key in errors[0] and rule in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(420)
+def test_end_to_end_loss_falls_and_tensorboard_has_lins_scalars(tmp_path, assets):
+    dump = tmp_path / "run"
+    check(train(base_args(dump, assets, 5, "--lins.plan", "p=2,g=4,os=4", "--activation_checkpoint.mode", "none")))
+    loss = losses(dump)
+    assert sorted(loss) == [1, 2, 3, 4, 5]
+    assert loss[5] < loss[1] - 0.1, loss
+    tags = scalars(dump)
+    lins = {t for t in tags if t.startswith("lins/")}
+    # p=2 < g=4 = os: params gathered over pairs, grads reduced on to 4 ranks.
+    for tag in ("lins/comm_seconds", "lins/memory/params", "lins/memory/grads", "lins/memory/optim",
+                "lins/step_seconds/measured"):
+        assert tag in lins, sorted(lins)
+    assert any(t.startswith("lins/bytes/params/") for t in lins), sorted(lins)
+    assert any(t.startswith("lins/bytes/grads/") for t in lins), sorted(lins)
+    assert any(t.endswith("/inter") for t in lins if t.startswith("lins/bytes/")), sorted(lins)
+    assert tags["lins/memory/optim"][5] > 0
+    plan_text = texts(dump).get("lins/plan/text_summary", "")
+    assert "p=2,g=4,os=4" in plan_text
+
+
+# ----- slow: parity with torchtitan FSDP, bf16, resume --------------------------------
+
+
+def _parity_args(dump, assets, seed, steps, *extra):
+    # Gradient accumulation (global batch 16 = 2 micro-batches x 2 seqs x 4 ranks),
+    # clipping that bites (grad norms are ~0.6-0.9), selective AC.
+    return base_args(
+        dump, assets, steps,
+        "--training.global_batch_size", "16",
+        "--training.max_norm", "0.5",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path", str(seed),
+        "--checkpoint.interval", "1000",
+        *extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def seed_checkpoint(tmp_path_factory, assets):
+    """torchtitan's seed checkpoint: one process, unsharded model, step 0."""
+    dump = tmp_path_factory.mktemp("seed")
+    check(train(base_args(dump, assets, 1, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"), nproc=1, timeout=200))
+    return dump / "checkpoint" / "step-0"
+
+
+@pytest.fixture(scope="module")
+def fsdp_losses(tmp_path_factory, assets, seed_checkpoint):
+    """torchtitan's own LLaMA FSDP (model.name = llama3) from the seed checkpoint."""
+    dump = tmp_path_factory.mktemp("fsdp")
+    check(train(_parity_args(dump, assets, seed_checkpoint, 6, "--model.name", "llama3",
+                             "--training.dataset_path", str(assets))))
+    return losses(dump), scalars(dump)["grad_norm"]
+
+
+def _assert_close(got: dict, want: dict, rtol: float):
+    assert sorted(got) == sorted(want)
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    assert worst <= rtol, f"max relative difference {worst:.2e} > {rtol:.0e}\n lins {got}\n fsdp {want}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("plan", ["fsdp", "p=1,g=2,os=4"])
+def test_matches_torchtitan_fsdp_from_seed_checkpoint(tmp_path, assets, seed_checkpoint, fsdp_losses, plan):
+    dump = tmp_path / "lins"
+    check(train(_parity_args(dump, assets, seed_checkpoint, 6, "--lins.plan", plan)))
+    want_loss, want_norm = fsdp_losses
+    _assert_close(losses(dump), want_loss, LOSS_RTOL)
+    _assert_close(scalars(dump)["grad_norm"], want_norm, LOSS_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bf16_mixed_precision_matches_torchtitan_fsdp(tmp_path, assets, seed_checkpoint):
+    bf16 = ("--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32")
+    fsdp, lins = tmp_path / "fsdp", tmp_path / "lins"
+    check(train(_parity_args(fsdp, assets, seed_checkpoint, 3, "--model.name", "llama3",
+                             "--training.dataset_path", str(assets), *bf16)))
+    check(train(_parity_args(lins, assets, seed_checkpoint, 3, "--lins.plan", "p=2,g=4,os=4", *bf16)))
+    _assert_close(losses(lins), losses(fsdp), BF16_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_save_and_resume_gives_the_uninterrupted_losses(tmp_path, assets, seed_checkpoint):
+    plan = ("--lins.plan", "p=1,g=2,os=4", "--checkpoint.last_save_model_only", "false") 
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    check(train(_parity_args(whole, assets, seed_checkpoint, 6, *plan)))
+    # First half: stop after step 3 (the LR schedule is fixed by total_steps = 6).
+    check(train(_parity_args(split, assets, seed_checkpoint, 3, *plan, "--checkpoint.interval", "3")))
+    assert (split / "checkpoint" / "step-3").is_dir()
+    first = losses(split)
+    shutil.rmtree(split / "tb")
+    # Second half resumes from step-3 (model, optimizer, LR scheduler, data loader).
+    check(train(_parity_args(split, assets, seed_checkpoint, 6, *plan, "--checkpoint.interval", "3")))
+    second = losses(split)
+    want = losses(whole)
+    assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
+    _assert_close({**first, **second}, want, 1e-6)
