@@ -98,6 +98,7 @@ class LinsUnit:
             local = view.view(shape).to(master.dtype)
             master.grad = DTensor.from_local(local, self.state.mesh.device_mesh, placements("optim"), run_check=False, shape=master.shape, stride=master.stride())
 
+    @torch.no_grad()
     def gather_from_masters(self) -> None:
         """All-gather the updated masters back into FSDP2's parameter shards."""
         g = self.geometry
@@ -109,6 +110,7 @@ class LinsUnit:
             local = param.to_local()
             local.copy_(rows.view(local.shape))
 
+    @torch.no_grad()
     def load_masters(self, state_dict: dict, prefix: str) -> bool:
         """Copy checkpoint values for this unit into its masters; True if any were present."""
         found = False
@@ -350,9 +352,8 @@ def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
 
     def load_masters(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         loaded = False
-        with torch.no_grad():
-            for unit in state.units:
-                loaded |= unit.load_masters(state_dict, prefix)
+        for unit in state.units:
+            loaded |= unit.load_masters(state_dict, prefix)
         if loaded:
             for unit in state.units:
                 unit.gather_from_masters()

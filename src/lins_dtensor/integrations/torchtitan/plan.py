@@ -66,6 +66,8 @@ def check_config(job_config) -> None:
         raise LinsConfigError(f"[lins] grad_dtype = '{lins.grad_dtype}': must be one of {_GRAD_DTYPES[1:]} or empty")
     if lins.bandwidth_file and not os.path.isfile(lins.bandwidth_file):
         raise LinsConfigError(f"[lins] bandwidth_file = '{lins.bandwidth_file}': no such file")
+    if job_config.checkpoint.create_seed_checkpoint:
+        return  # one process writes the unsharded model; the plan applies when it is loaded
     world = world_size()
     rpn = ranks_per_node(lins, world)
     if lins.plan.strip().lower() != "auto":
