@@ -31,6 +31,13 @@ def world4_runs():
 
 
 @pytest.fixture(scope="session")
+def overlap_runs():
+    """The last micro-batch reduced to the OS layout inside backward (paper's executor)."""
+    plans = ["p=1,g=1,os=4", "p=1,g=2,os=4", "p=2,g=4,os=4", "hsdp:2"]
+    return run(train_lins, 4, _configs(plans, 2, reduce_in_backward=True))
+
+
+@pytest.fixture(scope="session")
 def world8_runs():
     return run(train_lins, 8, _configs(WORLD8_PLANS, 4))
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 
-from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh, clip_grad_norm_, lins_optimizer, lins_stats
+from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh, clip_grad_norm_, lins_optimizer, lins_stats, set_reduce_in_backward
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import state_memory_bytes, step_collectives
 from tiny_llama import batch, build_model, loss_fn
@@ -53,8 +53,10 @@ def train_lins(configs: list[dict]) -> list[dict]:
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         mbs = cfg["microbatches"]
+        reduce_in_backward = cfg.get("reduce_in_backward", False)
         for step in range(cfg["steps"]):
             for mb in range(mbs):
+                set_reduce_in_backward(model, reduce_in_backward and mb == mbs - 1)
                 (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
             clip_grad_norm_(model, MAX_NORM)
             opt.step()

@@ -33,6 +33,14 @@ def test_world8_plans_match_fp32_reference(world8_runs, references):
         assert err < 1e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
 
 
+def test_reduce_in_backward_matches_reference_and_bytes(overlap_runs, references):
+    for run in overlap_runs:
+        cfg = run["config"]
+        err = worst_rel_err(run["masters"], references[(4, cfg["microbatches"])])
+        assert err < 1e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
+        assert all(info["bytes_match"] for info in run["per_rank"]), cfg
+
+
 def test_parameters_equal_masters_in_fp32(world4_runs):
     for run in world4_runs:
         for name, value in run["params"].items():

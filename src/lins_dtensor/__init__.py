@@ -3,7 +3,7 @@
 from lins_dtensor.mesh import LinsMesh, build_lins_mesh
 from lins_dtensor.optimizer import clip_grad_norm_, lins_optimizer
 from lins_dtensor.plan import LinsPlan, LinsPlanError, valid_plans
-from lins_dtensor.runtime import apply_lins
+from lins_dtensor.runtime import apply_lins, set_reduce_in_backward
 from lins_dtensor.stats import LinsStats, lins_stats
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "clip_grad_norm_",
     "lins_optimizer",
     "lins_stats",
+    "set_reduce_in_backward",
     "valid_plans",
 ]

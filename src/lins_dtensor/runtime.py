@@ -55,6 +55,7 @@ class LinsUnit:
         self.geometry = UnitGeometry.build([p.shape for p in self.params], state.plan, state.coords)
         self.grad_buffer = torch.zeros(self.geometry.grads.chunk_numel, dtype=state.reduce_dtype, device=state.device)
         self.masters: list[nn.Parameter] = []
+        self.grads_reduced = False  # this step's G buffer already reduced into the masters
         self._attach()
 
     def _attach(self) -> None:
@@ -84,10 +85,18 @@ class LinsUnit:
         p_rows = g.params.views(reduce_output, g.param_index)
         contribution = self.state.reduce_level(g.grads, p_rows, GRAD_SHARD_REDUCE_SCATTER, GRAD_SHARD)
         self.grad_buffer.add_(contribution)
+        self.grads_reduced = False
+        if self.state.reduce_in_backward:
+            # Last micro-batch: reduce to the OS layout now, in FSDP2's reduce stream,
+            # so the cross-group traffic overlaps the rest of backward (paper's executor).
+            self.reduce_to_masters()
 
     # ----- step: G buffer -> OS gradient, OS master -> P ---------------------------------
-    def reduce_to_masters(self, divide_factor: float) -> None:
+    def reduce_to_masters(self) -> None:
+        """The whole G buffer (every micro-batch so far) -> the masters' gradients. Run
+        again, it recomputes the same total, so extra calls cost traffic, never correctness."""
         g = self.geometry
+        divide_factor = self.state.gradient_divide_factor
         g_rows = g.grads.views(self.grad_buffer, g.grad_index)
         os_grad = self.state.reduce_level(g.optim, g_rows, OPTIM_REDUCE_SCATTER, OPTIM_SHARD)
         if self.state.mesh.size(OPTIM_REPLICA) > 1:
@@ -97,6 +106,7 @@ class LinsUnit:
         for master, view, shape in zip(self.masters, g.optim.views(os_grad, g.optim_index), g.local_shapes("optim")):
             local = view.view(shape).to(master.dtype)
             master.grad = DTensor.from_local(local, self.state.mesh.device_mesh, placements("optim"), run_check=False, shape=master.shape, stride=master.stride())
+        self.grads_reduced = True
 
     @torch.no_grad()
     def gather_from_masters(self) -> None:
@@ -161,7 +171,7 @@ class LinsState:
     device: torch.device
     recorder: CommRecorder
     units: list[LinsUnit] = dataclasses.field(default_factory=list)
-    grads_reduced: bool = False
+    reduce_in_backward: bool = False  # see set_reduce_in_backward
     optimizer: torch.optim.Optimizer | None = None  # set by lins_optimizer
 
     @property
@@ -200,12 +210,12 @@ class LinsState:
     # ----- the optimizer step --------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """G buffers -> gradients of the OS masters (once per step; clipping may call it first)."""
-        if self.grads_reduced:
-            return
+        """G buffers -> gradients of the OS masters, for units not reduced yet this step
+        (clipping calls it before the step; a backward with reduce_in_backward may have
+        done it already)."""
         for unit in self.units:
-            unit.reduce_to_masters(self.gradient_divide_factor)
-        self.grads_reduced = True
+            if not unit.grads_reduced:
+                unit.reduce_to_masters()
 
     @torch.no_grad()
     def finish_step(self) -> None:
@@ -213,9 +223,9 @@ class LinsState:
         for unit in self.units:
             unit.gather_from_masters()
             unit.grad_buffer.zero_()
+            unit.grads_reduced = False
             for master in unit.masters:
                 master.grad = None
-        self.grads_reduced = False
         self.recorder.end_step()
 
     def memory_bytes(self) -> dict[str, int]:
@@ -227,6 +237,19 @@ class LinsState:
         masters = [m for unit in self.units for m in unit.masters]
         optim = sum(m.to_local().numel() * m.element_size() for m in masters) + optimizer_state_bytes(self.optimizer)
         return {"params": params, "grads": grads, "optim": optim}
+
+
+def set_reduce_in_backward(model: nn.Module, enabled: bool) -> None:
+    """Reduce gradients all the way to the optimizer layout during the following
+    backward passes, unit by unit, instead of at ``optimizer.step()``.
+
+    Turn it on for the last micro-batch of each step (always, when there is one micro-
+    batch per step): the reduction across G groups then overlaps the rest of backward
+    on CUDA streams, as the Lins paper's executor does. Leave it off for the other
+    micro-batches, whose gradients then stay inside their G group. Results are the same
+    either way.
+    """
+    lins_state(model).reduce_in_backward = enabled
 
 
 def lins_state(model: nn.Module) -> LinsState:
@@ -280,9 +303,9 @@ def apply_lins(
     e.g. 1.0 to sum them. ``units`` are the modules to shard separately (default:
     :func:`default_units`); the model itself is always the root unit.
     """
-    plan = mesh.plan if plan is None else plan
     if not isinstance(mesh, LinsMesh):
-        raise LinsPlanError("mesh must come from build_lins_mesh(plan, ...)")
+        raise LinsPlanError("mesh must come from build_lins_mesh(plan, ...), not a plain DeviceMesh")
+    plan = mesh.plan if plan is None else plan
     if plan != mesh.plan:
         raise LinsPlanError(f"the mesh was built for plan '{mesh.plan}' but apply_lins got plan '{plan}'")
     expected = mesh_shape(plan, mesh.world_size)
