@@ -44,7 +44,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-dtype", choices=sorted(_DTYPE_BYTES), default="fp32", help="gradient reduce/accumulate dtype (runtime default fp32)")
     p.add_argument("--no-overlap", action="store_true", help="expose every collective (worst case)")
     p.add_argument("--overlap-fraction", type=float, default=0.8, help="share of a phase's compute that can hide its collectives")
-    p.add_argument("--overlap-step", action="store_true", help="model the paper's executor: optimizer-step collectives overlap backward/next forward")
+    p.add_argument("--overlap-step", action="store_true", help="model the paper's executor: update gathers also overlap the next forward")
+    p.add_argument("--reduce-at-step", action="store_true", help="gradients reduced at optimizer.step(), not in the last backward (set_reduce_in_backward off)")
     p.add_argument("--tie-tolerance", type=float, default=0.02, help="near-ties within this fraction go to the plan with the least inter-node traffic")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,7 +70,7 @@ def build_inputs(args: argparse.Namespace) -> tuple:
     training = TrainingSpec(
         seq_len=args.seq_len, micro_batch=args.micro_batch, global_batch_tokens=args.global_batch_tokens,
         activation_checkpointing=args.activation_checkpointing, reduce_bytes=_DTYPE_BYTES[args.reduce_dtype],
-        overlap=not args.no_overlap, overlap_fraction=args.overlap_fraction, overlap_step=args.overlap_step,
+        overlap=not args.no_overlap, overlap_fraction=args.overlap_fraction, overlap_step=args.overlap_step, reduce_in_backward=not args.reduce_at_step,
     )
     return model, cluster, training
 

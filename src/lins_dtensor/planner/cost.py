@@ -5,10 +5,10 @@ the runtime's byte accounting is tested against, so the planner times exactly wh
 runtime sends. Overlap model (the runtime's): a micro-batch's parameter all-gathers can
 hide behind forward compute and its gradient reduce-scatters (and backward re-gathers)
 behind backward compute, up to ``overlap_fraction`` of it, except the first collective
-of each phase, which has nothing to hide behind; the optimizer-step collectives run
-after the last backward and are fully exposed (``TrainingSpec.overlap_step`` instead
-models the paper's executor, which hides them behind the last backward and the next
-forward).
+of each phase, which has nothing to hide behind; the optimizer-step reductions hide
+behind the last backward when the runtime reduces there (``reduce_in_backward``) and
+the update gathers are exposed (``overlap_step`` models the paper's executor, which
+also hides them behind the next forward).
 """
 
 from __future__ import annotations
@@ -129,19 +129,19 @@ def evaluate(
             if comm[phase]:
                 first = comm[phase] / calls[phase] * m  # one unhidden collective per micro-batch
                 exposed[phase] = max(comm[phase] - training.overlap_fraction * compute[phase], min(first, comm[phase]))
-        if training.overlap_step and comm["step"]:
-            exposed["step"] = _overlapped_step(records, record_s, comm, compute, m, training.overlap_fraction)
+        if (training.reduce_in_backward or training.overlap_step) and comm["step"]:
+            exposed["step"] = _overlapped_step(records, record_s, comm, compute, m, training.overlap_fraction, training.overlap_step)
     step_s = sum(compute.values()) + sum(exposed.values())
     mfu = flops / (step_s * hw.peak_flops)
     return PlanCost(plan, m, memory, cluster.memory_budget, compute, comm, exposed, step_s, mfu, tokens * cluster.gpus / step_s, records, record_s)
 
 
-def _overlapped_step(records, record_s, comm, compute, m: int, fraction: float) -> float:
-    """Exposed step time when reductions overlap the last micro-batch's backward and the
-    update gathers the next forward, each using the capacity left by that micro-batch's
-    own collectives."""
+def _overlapped_step(records, record_s, comm, compute, m: int, fraction: float, gathers_overlap: bool) -> float:
+    """Exposed step time when reductions overlap the last micro-batch's backward and (with
+    ``gathers_overlap``) the update gathers the next forward, each using the capacity
+    left by that micro-batch's own collectives."""
     gathers = sum(t for r, t in zip(records, record_s) if PHASE_OF[r.name] == "step" and r.op.value == "all_gather")
     reductions = comm["step"] - gathers
     backward_room = max(0.0, (fraction * compute["backward"] - comm["backward"]) / m)
     forward_room = max(0.0, (fraction * compute["forward"] - comm["forward"]) / m)
-    return max(0.0, reductions - backward_room) + max(0.0, gathers - forward_room)
+    return max(0.0, reductions - backward_room) + (max(0.0, gathers - forward_room) if gathers_overlap else gathers)

@@ -15,9 +15,11 @@ class TrainingSpec:
     Byte sizes default to the runtime's bf16 parameters with fp32 gradient reduction,
     fp32 masters and Adam (2 states). ``overlap_fraction`` is how much of a phase's
     compute can hide that phase's per-micro-batch collectives; ``overlap=False`` shows
-    the exposed worst case. ``overlap_step`` models the paper's executor rather than
-    this runtime: the optimizer-step reductions hide behind the last micro-batch's
-    backward and the updated-parameter gathers behind the next forward.
+    the exposed worst case. ``reduce_in_backward`` is the runtime's
+    ``set_reduce_in_backward`` on the last micro-batch (the torchtitan integration
+    does it): the optimizer-step reductions hide behind that backward.
+    ``overlap_step`` models the paper's executor, which also hides the
+    updated-parameter gathers behind the next forward (this runtime does not yet).
     """
 
     seq_len: int = 4096
@@ -31,6 +33,7 @@ class TrainingSpec:
     activation_bytes: int = 2
     overlap: bool = True
     overlap_fraction: float = 0.8
+    reduce_in_backward: bool = True
     overlap_step: bool = False
     clip_grad_norm: bool = False
 
