@@ -34,7 +34,7 @@ def base_args(dump: Path, assets: Path, steps: int, *extra: str) -> list[str]:
     ]
 
 
-def train(args: list[str], nproc: int = 4, timeout: int = 420, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun -m lins_dtensor.train`` (``nproc`` = 1: plain ``python -m``)."""
     if nproc == 1:
         cmd = [sys.executable, "-m", "lins_dtensor.train", *args]

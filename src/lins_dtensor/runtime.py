@@ -179,6 +179,12 @@ class LinsState:
         return {dim: self.mesh.coordinate(dim) for dim in MESH_DIMS}
 
     def masters(self) -> dict[str, nn.Parameter]:
+        """The fp32 masters by FQN. A model sharded on the meta device (torchtitan's way)
+        gets meta masters at apply time; they are made from the parameters here, once
+        those have been materialised and initialised."""
+        for unit in self.units:
+            if unit.masters and unit.masters[0].is_meta and not unit.params[0].is_meta:
+                unit.init_masters(None)
         return {fqn: m for unit in self.units for fqn, m in zip(unit.fqns, unit.masters)}
 
     def schedule(self) -> list[UnitSchedule]:
@@ -349,9 +355,11 @@ def apply_lins(
     return model
 
 
-# Module wrappers that insert a level into parameter names but not into state-dict
-# keys (activation checkpointing, torch.compile): Lins names parameters by the keys.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+# Module wrappers that insert a level into parameter names but strip it from their
+# state-dict keys (activation checkpointing's CheckpointWrapper): Lins names each
+# parameter by its key in model.state_dict(). (torch.compile's "_orig_mod." stays in
+# state-dict keys; torch.distributed.checkpoint.state_dict removes it itself.)
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)
 
 
 def _clean_fqn(name: str) -> str:
@@ -374,6 +382,7 @@ def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
             state_dict[prefix + fqn] = master
 
     def load_masters(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        state.masters()  # materialise meta masters before loading into them
         loaded = False
         for unit in state.units:
             loaded |= unit.load_masters(state_dict, prefix)

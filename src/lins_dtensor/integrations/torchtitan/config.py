@@ -29,6 +29,10 @@ class Lins:
     """dtype gradients are reduced and accumulated in (G); "" follows
     training.mixed_precision_reduce. One of float32, bfloat16."""
 
+    reduce_in_backward: bool = True
+    """Reduce the last micro-batch's gradients to the optimizer layout during backward
+    (overlapped) instead of at the optimizer step; results are identical."""
+
     bandwidth_file: str = ""
     """JSON bandwidth profile for the planner (plan = "auto"); "" uses its hardware model."""
 

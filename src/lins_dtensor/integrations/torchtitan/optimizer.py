@@ -18,29 +18,24 @@ from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 
 from lins_dtensor import clip_grad_norm_, lins_optimizer
-from lins_dtensor.runtime import lins_state
 
 
-def _materialize_masters(model: nn.Module) -> None:
-    """torchtitan builds the model on the meta device, shards it, then materialises and
-    initialises the parameters in place; masters made from meta parameters are still
-    meta. Re-derive them from the initialised parameters before the optimizer exists."""
-    state = lins_state(model)
-    for unit in state.units:
-        if any(m.is_meta for m in unit.masters):
-            unit.init_masters(None)
+def _key(fqn: str) -> str:
+    """The checkpoint name of a parameter: without torch.compile's wrapper level, as
+    torch.distributed.checkpoint.state_dict names it (compiled or not, same keys)."""
+    return fqn.replace("_orig_mod.", "")
 
 
 def _flatten(sd: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for fqn, per_param in sd["state"].items():
         for name, value in per_param.items():
-            out[f"state.{fqn}.{name}"] = value
+            out[f"state.{_key(fqn)}.{name}"] = value
     for group in sd["param_groups"]:
         for fqn in group["params"]:
             for key, value in group.items():
                 if key != "params":
-                    out[f"param_groups.{fqn}.{key}"] = value
+                    out[f"param_groups.{_key(fqn)}.{key}"] = value
     return out
 
 
@@ -49,11 +44,11 @@ def _unflatten(flat: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]
     state dict); keys of other model parts are ignored."""
     state: dict[str, dict[str, Any]] = {}
     for fqn, per_param in template["state"].items():
-        state[fqn] = {name: flat.get(f"state.{fqn}.{name}", value) for name, value in per_param.items()}
+        state[fqn] = {name: flat.get(f"state.{_key(fqn)}.{name}", value) for name, value in per_param.items()}
     groups = []
     for group in template["param_groups"]:
         first = group["params"][0] if group["params"] else None
-        new = {key: flat.get(f"param_groups.{first}.{key}", value) for key, value in group.items() if key != "params"}
+        new = {key: flat.get(f"param_groups.{_key(first) if first else first}.{key}", value) for key, value in group.items() if key != "params"}
         new["params"] = list(group["params"])
         groups.append(new)
     return {"state": state, "param_groups": groups}
@@ -66,7 +61,6 @@ class LinsOptimizersContainer(OptimizersContainer):
         self._clipped = False
         self.optimizers = []
         for model in model_parts:
-            _materialize_masters(model)
             self.optimizers.append(lins_optimizer(model, optimizer_cls, **optimizer_kwargs))
         masters = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
         self._validate_length(len(model_parts))

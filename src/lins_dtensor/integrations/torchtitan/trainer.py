@@ -1,4 +1,4 @@
-"""``LinsTrainer``: torchtitan's ``Trainer`` with two additions.
+"""``LinsTrainer``: torchtitan's ``Trainer`` with three additions.
 
 1. The ``[lins]`` section is checked before anything starts, so a wrong value stops
    the run with one line naming the key and the rule.
@@ -8,6 +8,10 @@
    for the duration of ``train_step`` that one name, in ``torchtitan.train``'s
    namespace only, resolves to the Lins container's ``clip_grad_norm_``. The logged
    ``grad_norm`` is then the true global norm.
+3. With ``[lins] reduce_in_backward = true`` (default) the last micro-batch of each
+   step reduces its gradients to the optimizer layout inside backward
+   (:func:`lins_dtensor.runtime.set_reduce_in_backward`), so that traffic overlaps
+   the rest of backward; earlier micro-batches keep theirs in the G buffers.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torchtitan.train import Trainer
 
 from lins_dtensor.integrations.torchtitan.optimizer import LinsOptimizersContainer
 from lins_dtensor.integrations.torchtitan.plan import check_config
+from lins_dtensor.runtime import set_reduce_in_backward
 
 
 class _DistUtilsWithLinsClip(types.ModuleType):
@@ -56,7 +61,16 @@ class LinsTrainer(Trainer):
         super().__init__(job_config)
 
     def train_step(self, data_iterator):
+        self._lins_microbatch = 0
         if isinstance(self.optimizers, LinsOptimizersContainer):
             with _lins_clipping(self.optimizers):
                 return super().train_step(data_iterator)
         return super().train_step(data_iterator)
+
+    def forward_backward_step(self, *args, **kwargs):
+        if isinstance(self.optimizers, LinsOptimizersContainer):
+            last = self._lins_microbatch == self.gradient_accumulation_steps - 1
+            for model in self.model_parts:
+                set_reduce_in_backward(model, last and self.job_config.lins.reduce_in_backward)
+            self._lins_microbatch += 1
+        return super().forward_backward_step(*args, **kwargs)
