@@ -40,7 +40,7 @@ class BenchModelArgs:
 
 # Sizes the benchmark knows; "small" is the default of scripts/bench_cluster.sh.
 MODEL_SIZES = {
-    # 2 x 128 x 2048 + 6 x (4 x 256^2 + 3 x 256 x 768 + 512) + 256 = 6.29 M parameters.
+    # 2 x 2048 x 256 + 6 x (4 x 256^2 + 3 x 256 x 768 + 512) + 256 = 6,163,712 parameters.
     "small": BenchModelArgs(dim=256, n_layers=6, n_heads=8, vocab_size=2048, ffn_dim=768),
     # For the end-to-end test: 0.05 M parameters.
     "tiny": BenchModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=256, ffn_dim=96, max_seq_len=256),

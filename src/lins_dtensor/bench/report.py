@@ -1,0 +1,231 @@
+"""Results of the cluster benchmark: derived numbers, the markdown table and the plot."""
+
+from __future__ import annotations
+
+import math
+
+MiB = 1 << 20
+
+METHODS = {
+    "step_time": "wall time of one optimizer step (all micro-batches, clipping, optimizer), the slowest rank's; "
+                 "ranks start each step together after a barrier; timed steps of all strategies are interleaved "
+                 "(one step each per round, order rotated every round)",
+    "tokens_per_s": "world x M x batch x seq tokens per step / median step time",
+    "peak_memory": "from /proc/self/status, per rank (max and mean over ranks): resident growth while the strategy "
+                   "is built (VmRSS after - before, after gc and malloc_trim) plus the peak of its warm-up steps at this M, "
+                   "run alone (VmHWM, reset through /proc/self/clear_refs just before, minus VmRSS then). Whole-process "
+                   "RSS: it includes the unsharded model built before sharding (freed pages may stay resident), "
+                   "activations, gathered parameters, communication buffers and allocator slack",
+    "model_state_bytes": "persistent bytes of parameters, gradients and optimizer states on the live tensors "
+                         "(Lins: lins_stats(model).memory_bytes; others: local parameter / gradient shards + AdamW states), "
+                         "after the last optimizer step",
+    "bytes": "per rank, over the last step, counted when issued: Lins by its recorder (lins_stats); FSDP2/HSDP/hpZ by "
+             "LinsAllGather/LinsReduceScatter via set_custom_all_gather/set_custom_reduce_scatter and HSDP's all-reduce "
+             "via set_all_reduce_hook; DDP by a recording comm hook. 'message' = collective message sizes on groups "
+             "spanning nodes (inter) or inside a node (intra); 'NIC' = ring-algorithm bytes per rank through its "
+             "node's link (planner.cost.network_bytes). Scalar gradient-norm all-reduces of torch's clip_grad_norm_ "
+             "are not counted (8 bytes)",
+    "predicted": "planner.evaluate with the bandwidth table profiled on this emulated cluster and the compute rate "
+                 "calibrated at start-up (every rank computing at once, no communication); non-Lins strategies are "
+                 "costed as the Lins plan with the same collectives",
+    "fits": "the planner's predicted peak per-rank memory for the strategy (model states + activations + buffers) <= budget",
+}
+
+FSDP_FAMILY = ("fsdp2", "hsdp", "hsdp-deferred", "hpz")
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties)."""
+    n = len(xs)
+    if n < 3:
+        return None
+
+    def ranks(v):
+        order = sorted(range(n), key=lambda i: v[i])
+        r = [0.0] * n
+        i = 0
+        while i < n:
+            j = i
+            while j + 1 < n and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    vy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return cov / (vx * vy) if vx and vy else None
+
+
+def assemble(meta: dict, rows: list[dict]) -> dict:
+    for r in rows:
+        measured, predicted = r["step_time_s"]["median"], r["predicted"]["step_s"]
+        r["prediction_error"] = (predicted - measured) / measured
+        r["prediction_error_no_overlap"] = (r["predicted"]["step_s_no_overlap"] - measured) / measured
+    ms = sorted({r["microbatches"] for r in rows})
+    correlation, comparisons = {}, {}
+    for m in ms:
+        unique = [r for r in rows if r["microbatches"] == m and not r["reused_measurement"]]
+        correlation[f"M={m}"] = {
+            "spearman": spearman([r["predicted"]["step_s"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
+            "n": len(unique),
+            "mean_abs_error": sum(abs(r["prediction_error"]) for r in unique) / len(unique) if unique else None,
+            "spearman_no_overlap": spearman([r["predicted"]["step_s_no_overlap"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
+            "mean_abs_error_no_overlap": sum(abs(r["prediction_error_no_overlap"]) for r in unique) / len(unique) if unique else None,
+        }
+        comparisons[f"M={m}"] = compare([r for r in rows if r["microbatches"] == m])
+    unique = [r for r in rows if not r["reused_measurement"]]
+    correlation["all"] = {
+        "spearman": spearman([r["predicted"]["step_s"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
+        "n": len(unique),
+        "spearman_no_overlap": spearman([r["predicted"]["step_s_no_overlap"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
+    }
+    return {"meta": meta, "strategies": rows, "rank_correlation": correlation, "comparisons": comparisons}
+
+
+def _median(rows, strategy):
+    found = [r for r in rows if r["strategy"] == strategy]
+    return (found[0]["step_time_s"]["median"], found[0]) if found else (None, None)
+
+
+def compare(rows: list[dict]) -> dict:
+    out: dict = {}
+    lins_fsdp, _ = _median(rows, "lins-fsdp")
+    stock, _ = _median(rows, "fsdp2")
+    if lins_fsdp and stock:
+        out["lins_fsdp_over_fsdp2"] = lins_fsdp / stock
+        out["lins_fsdp_within_3pct"] = abs(lins_fsdp / stock - 1) <= 0.03
+    planner = [r for r in rows if r["strategy"] == "lins-planner"]
+    family = [r for r in rows if r["strategy"] in FSDP_FAMILY]
+    for r in planner:
+        key = r["label"]
+        entry = {"plan": r["plan"], "median_s": r["step_time_s"]["median"]}
+        if stock:
+            entry["speedup_vs_fsdp2"] = stock / r["step_time_s"]["median"]
+            entry["target_2x_vs_fsdp2_met"] = entry["speedup_vs_fsdp2"] >= 2.0
+        if family:
+            best = min(family, key=lambda x: x["step_time_s"]["median"])
+            entry["best_fsdp2_variant"] = best["strategy"]
+            entry["speedup_vs_best_fsdp2_variant"] = best["step_time_s"]["median"] / r["step_time_s"]["median"]
+            entry["target_1.3x_vs_best_variant_met"] = entry["speedup_vs_best_fsdp2_variant"] >= 1.3
+        fastest = min(rows, key=lambda x: x["step_time_s"]["median"])
+        entry["fastest_measured"] = f"{fastest['strategy']} ({fastest['plan'] or fastest['label']})"
+        out[key] = entry
+    return out
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / MiB:.1f}"
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 1e6:.1f}"
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    model = meta["model"]
+    lines = [
+        "# Cluster benchmark results",
+        "",
+        f"{meta['nodes']} emulated nodes x {meta['ranks_per_node']} gloo ranks (world {meta['world_size']}), "
+        f"inter-node links {meta['link_rate'] or '?'} (tbf, each direction), ranks in a node over loopback; "
+        f"{meta['cpu_count']} CPU cores shared by all ranks. Model: LLaMA-style, {model['params'] / 1e6:.2f} M parameters "
+        f"(dim {model['dim']}, {model['n_layers']} layers, {model['n_heads']} heads, ffn {model['ffn_dim']}, vocab {model['vocab_size']}), "
+        f"{meta['dtype']}; micro-batch {meta['batch_size']} x {meta['seq_len']} tokens per rank; "
+        f"{meta['warmup_steps']} warm-up + {meta['timed_steps']} timed steps per row. Run took {meta['elapsed_s']:.0f} s.",
+        "",
+        f"Calibration (all ranks computing at once): {meta['calibration']['forward_backward_s']:.3f} s forward+backward per "
+        f"micro-batch = {meta['calibration']['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; AdamW over the whole model "
+        f"{meta['calibration']['optimizer_step_s']:.3f} s.",
+        "",
+        "Planner choices:",
+        "",
+    ]
+    for c in meta["planner"]:
+        if c.get("plan"):
+            lines.append(f"- M={c['microbatches']}, budget {c['budget']}: **{c['plan']}** (predicted {c['predicted_step_s']:.2f} s, "
+                         f"{c['dropped_for_memory']} of {c['valid_plans']} plans dropped for memory) - {c['reason']}")
+        else:
+            lines.append(f"- M={c['microbatches']}, budget {c['budget']}: no plan ({c.get('error')})")
+    budget_cols = [k for k in result["strategies"][0]["fits"] if k != "unlimited"] if result["strategies"] else []
+    head = ("| M | strategy | plan | step s median [min, max] | tokens/s | peak RSS delta MiB (max rank) | model states MiB | "
+            "inter-node MB/rank msg (NIC) | intra-node MB/rank msg | predicted s (error) | predicted s, no overlap (error) |"
+            + "".join(f" fits {b} |" for b in budget_cols))
+    lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
+    for r in result["strategies"]:
+        t, b, pm = r["step_time_s"], r["bytes_per_rank"], r["peak_memory"]
+        fits = "".join(f" {'yes' if r['fits'][k] else '**does not fit**'} |" for k in budget_cols)
+        lines.append(
+            f"| {r['microbatches']} | {r['label']} | {r['plan'] or '-'} | {t['median']:.3f} [{t['min']:.3f}, {t['max']:.3f}] | "
+            f"{r['tokens_per_s']:.0f} | {_mib(pm['rss_delta_max_bytes'])} | {_mib(pm['model_state_bytes_max'])} | "
+            f"{_mb(b['inter_message_bytes'])} ({_mb(b['inter_nic_bytes'])}) | {_mb(b['intra_message_bytes'])} | "
+            f"{r['predicted']['step_s']:.2f} ({r['prediction_error']:+.0%}) | "
+            f"{r['predicted']['step_s_no_overlap']:.2f} ({r['prediction_error_no_overlap']:+.0%}) |{fits}"
+        )
+    lines += ["", "Rank correlation of predicted vs measured step time (Spearman, distinct measurements), "
+              "planner's overlap model / no-overlap model:", ""]
+
+    def fmt(x, pct=False):
+        return "n/a" if x is None else (f"{x:.0%}" if pct else f"{x:.2f}")
+
+    for k, v in result["rank_correlation"].items():
+        extra = (f"; mean |error| {fmt(v['mean_abs_error'], True)} / {fmt(v['mean_abs_error_no_overlap'], True)}"
+                 if "mean_abs_error" in v else "")
+        lines.append(f"- {k}: rho = {fmt(v['spearman'])} / {fmt(v['spearman_no_overlap'])} over {v['n']} strategies{extra}")
+    lines += ["", "Comparisons:", ""]
+    for m, comp in result["comparisons"].items():
+        if "lins_fsdp_over_fsdp2" in comp:
+            lines.append(f"- {m}: Lins fsdp preset / stock FSDP2 step time = {comp['lins_fsdp_over_fsdp2']:.3f} "
+                         f"({'within' if comp['lins_fsdp_within_3pct'] else 'outside'} 3 %)")
+        for key, e in comp.items():
+            if isinstance(e, dict):
+                parts = [f"{e['plan']} {e['median_s']:.3f} s"]
+                if "speedup_vs_fsdp2" in e:
+                    parts.append(f"{e['speedup_vs_fsdp2']:.2f}x vs stock FSDP2 (target 2x: {'met' if e['target_2x_vs_fsdp2_met'] else 'not met'})")
+                if "speedup_vs_best_fsdp2_variant" in e:
+                    parts.append(f"{e['speedup_vs_best_fsdp2_variant']:.2f}x vs best FSDP2 variant {e['best_fsdp2_variant']} "
+                                 f"(target 1.3x: {'met' if e['target_1.3x_vs_best_variant_met'] else 'not met'})")
+                parts.append(f"fastest measured: {e['fastest_measured']}")
+                lines.append(f"- {m}, {key}: " + "; ".join(parts))
+    lines += ["", "How each number is measured:", ""]
+    lines += [f"- {k}: {v}" for k, v in meta["methods"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["strategies"] if not r["reused_measurement"]]
+    ms = sorted({r["microbatches"] for r in rows})
+    fig, axes = plt.subplots(1, len(ms), figsize=(7 * len(ms), 5), squeeze=False)
+    for ax, m in zip(axes[0], ms):
+        sel = [r for r in rows if r["microbatches"] == m]
+        xs = range(len(sel))
+        med = [r["step_time_s"]["median"] for r in sel]
+        lo = [r["step_time_s"]["median"] - r["step_time_s"]["min"] for r in sel]
+        hi = [r["step_time_s"]["max"] - r["step_time_s"]["median"] for r in sel]
+        pred = [r["predicted"]["step_s"] for r in sel]
+        pred0 = [r["predicted"]["step_s_no_overlap"] for r in sel]
+        ax.bar([x - 0.27 for x in xs], med, 0.27, yerr=[lo, hi], capsize=3, label="measured (median, min-max)")
+        ax.bar(list(xs), pred, 0.27, label="planner predicted (overlap model)")
+        ax.bar([x + 0.27 for x in xs], pred0, 0.27, label="planner predicted (no overlap)")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{r['strategy']}\n{r['plan'] or ''}" for r in sel], rotation=60, ha="right", fontsize=7)
+        rho = result["rank_correlation"].get(f"M={m}", {}).get("spearman")
+        ax.set_title(f"M = {m} micro-batches" + (f" (Spearman {rho:.2f})" if rho is not None else ""))
+        ax.set_ylabel("step time (s)")
+        ax.legend(fontsize=8)
+    meta = result["meta"]
+    fig.suptitle(f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['link_rate']} links, "
+                 f"{meta['model']['params'] / 1e6:.2f} M-param LLaMA: measured vs predicted step time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,111 @@
+"""End-to-end check of scripts/bench_cluster.sh at its smallest size.
+
+2 emulated nodes x 2 ranks, tiny model, one strategy, one timed step: the harness
+creates its namespaces, profiles the links, runs the benchmark, writes a complete
+cluster.json and removes every namespace it created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_cluster.sh"
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _skip_reason() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    probe = f"lbprobe{os.getpid() % 100000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode:
+        return f"cannot create a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+ROW_FIELDS = {
+    "strategy", "label", "plan", "microbatches", "reused_measurement", "step_time_s", "tokens_per_step",
+    "tokens_per_s", "peak_memory", "bytes_per_rank", "predicted", "fits", "prediction_error", "last_loss",
+}
+
+
+@pytest.mark.timeout(200)
+def test_bench_cluster_end_to_end(tmp_path):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    tag = f"lbt{os.getpid() % 100000}"
+    out = tmp_path / "results"
+    cmd = [
+        "bash", str(SCRIPT), "--nodes", "2", "--ranks-per-node", "2", "--rate", "400mbit", "--timeout", "150",
+        "--out", str(out), "--tag", tag, "--subnet", "10.231.9", "--profile-max-size", "64KiB", "--profile-iters", "1",
+        "--", "--model", "tiny", "--seq-len", "16", "--microbatches", "1", "--warmup", "1", "--steps", "1",
+        "--strategies", "lins-fsdp", "--memory-budget-gib", "0.0001", "--no-plot",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not SIGKILL: the script's trap must get to remove its namespaces.
+        proc.terminate()
+        stdout, stderr = proc.communicate(timeout=60)
+    leftover = [ns for ns in _namespaces() if ns.startswith(tag)]
+    for ns in leftover:  # do not leave them to the next run, then fail
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert leftover == [], f"namespaces left behind: {leftover}"
+    assert proc.returncode == 0, (stdout + stderr)[-3000:]
+    result = json.loads((out / "cluster.json").read_text())
+    assert (out / "cluster.md").exists() and (out / "bandwidth.json").exists()
+    assert {"meta", "strategies", "rank_correlation", "comparisons"} <= set(result)
+    meta = result["meta"]
+    assert meta["world_size"] == 4 and meta["nodes"] == 2 and meta["ranks_per_node"] == 2
+    assert meta["model"]["params"] > 0 and meta["calibration"]["flops_per_s"] > 0
+    assert {"unlimited", "0.0001 GiB"} <= {c["budget"] for c in meta["planner"]}
+    (row,) = result["strategies"]
+    assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+    assert row["strategy"] == "lins-fsdp" and row["plan"] == "p=4,g=4,os=4" and row["microbatches"] == 1
+    assert {"median", "min", "max", "q1", "q3", "samples"} <= set(row["step_time_s"])
+    assert len(row["step_time_s"]["samples"]) == 1 and row["step_time_s"]["median"] > 0
+    assert row["tokens_per_s"] > 0
+    assert row["peak_memory"]["rss_delta_max_bytes"] is not None
+    assert set(row["peak_memory"]["model_state_bytes_rank0"]) == {"params", "grads", "optim"}
+    b = row["bytes_per_rank"]
+    # Full sharding over 2 nodes: the parameter gathers and gradient reductions cross nodes.
+    assert b["inter_message_bytes"] > 0 and b["inter_nic_bytes"] > 0 and b["intra_message_bytes"] == 0
+    assert row["predicted"]["step_s"] > 0 and row["predicted"]["inter_nic_bytes"] > 0
+    # The tiny model's states need far more than 0.0001 GiB (107 kB) with activations: does not fit.
+    assert row["fits"] == {"0.0001 GiB": False, "unlimited": True}
+
+
+def test_bench_cluster_refuses_without_root():
+    """Without root the script says why in one line and exits non-zero."""
+    if os.geteuid() != 0:
+        proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
+        assert proc.returncode != 0
+        assert proc.stderr.strip().count("\n") == 0 and "root" in proc.stderr
+        return
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root and setpriv is not available to drop privileges")
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(SCRIPT)],
+        capture_output=True, text=True, timeout=30, cwd="/",
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0 and "root" in proc.stderr, proc.stderr
