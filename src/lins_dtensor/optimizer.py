@@ -1,11 +1,13 @@
 """Any ``torch.optim`` optimizer on the fp32 masters, which live on the OS layout.
 
-The optimizer is a plain instance of the user's class over the master DTensors, so
-its states are created on the same placement (sharded s_os ways) and LR schedulers,
-``zero_grad`` and torchtitan's container treat it as usual. Step hooks do the Lins
-part: before the step the G buffers are reduced into the masters' gradients, after
-it the new values are all-gathered into the parameters. Its state dict is keyed by
-parameter FQN, so torch.distributed.checkpoint can reload it under another plan.
+The optimizer is a plain instance of the user's class over this rank's shards of the
+masters (plain tensors sharing storage with the master DTensors), so its states are
+sharded s_os ways too, and LR schedulers, ``zero_grad`` and torchtitan's container
+treat it as usual. Step hooks do the Lins part: before the step the G buffers are
+reduced into the masters' gradients, after it the new values are all-gathered into
+the parameters. Its state dict is keyed by parameter FQN and holds every state shaped
+like its parameter as a DTensor on the OS layout, so torch.distributed.checkpoint can
+reload it under another plan.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lins_dtensor import collectives
 from lins_dtensor.runtime import lins_state
@@ -40,12 +43,14 @@ def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
     """``optimizer_cls(masters, **kwargs)`` wired to the Lins model ``model``."""
     state = lins_state(model)
     masters = state.masters()
-    optimizer = optimizer_cls(list(masters.values()), **kwargs)
+    locals_ = [m for unit in state.units for m in unit.local_masters]
+    optimizer = optimizer_cls(locals_, **kwargs)
     hooks = _StepHooks(model)
     optimizer.register_step_pre_hook(hooks.before)
     optimizer.register_step_post_hook(hooks.after)
     optimizer._lins_hooks = hooks  # type: ignore[attr-defined]
     optimizer._lins_fqns = list(masters)  # type: ignore[attr-defined]
+    optimizer._lins_masters = list(masters.values())  # type: ignore[attr-defined]
     optimizer.register_state_dict_pre_hook(_init_state_if_empty)
     optimizer.register_state_dict_post_hook(_keys_to_fqns)
     optimizer.register_load_state_dict_pre_hook(_keys_from_fqns)
@@ -77,9 +82,18 @@ def _init_state_if_empty(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
+def _as_dtensor(value, master: DTensor):
+    if isinstance(value, torch.Tensor) and value.shape == master.to_local().shape and value.dim() > 0:
+        return DTensor.from_local(value, master.device_mesh, master.placements, run_check=False, shape=master.shape, stride=master.stride())
+    return value
+
+
 def _keys_to_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    fqns = optimizer._lins_fqns
-    state_dict["state"] = {fqns[i]: v for i, v in state_dict["state"].items()}
+    fqns, masters = optimizer._lins_fqns, optimizer._lins_masters
+    state_dict["state"] = {
+        fqns[i]: {name: _as_dtensor(value, masters[i]) for name, value in per_param.items()}
+        for i, per_param in state_dict["state"].items()
+    }
     for group in state_dict["param_groups"]:
         group["params"] = [fqns[i] for i in group["params"]]
     return state_dict
@@ -88,7 +102,10 @@ def _keys_to_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
 def _keys_from_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     index = {fqn: i for i, fqn in enumerate(optimizer._lins_fqns)}
     state_dict = dict(state_dict)
-    state_dict["state"] = {index[k] if isinstance(k, str) else k: v for k, v in state_dict["state"].items()}
+    state_dict["state"] = {
+        index[k] if isinstance(k, str) else k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in per_param.items()}
+        for k, per_param in state_dict["state"].items()
+    }
     state_dict["param_groups"] = [
         {**g, "params": [index[p] if isinstance(p, str) else p for p in g["params"]]} for g in state_dict["param_groups"]
     ]
@@ -103,8 +120,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     for per_param in optimizer.state.values():
         for value in per_param.values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                local = value.to_local() if hasattr(value, "to_local") else value
-                total += local.numel() * local.element_size()
+                total += value.numel() * value.element_size()
     return total
 
 
@@ -120,7 +136,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """
     state = lins_state(model)
     state.reduce_gradients()
-    grads = [m.grad.to_local() for unit in state.units for m in unit.masters if m.grad is not None]
+    grads = [m.grad for unit in state.units for m in unit.local_masters if m.grad is not None]
     norm_type = float(norm_type)
     device = state.device
     if math.isinf(norm_type):

@@ -54,7 +54,11 @@ class LinsUnit:
         self.fqns = [fqn_of[id(p)] for p in self.params]
         self.geometry = UnitGeometry.build([p.shape for p in self.params], state.plan, state.coords)
         self.grad_buffer = torch.zeros(self.geometry.grads.chunk_numel, dtype=state.reduce_dtype, device=state.device)
+        # fp32 masters on the OS layout, twice over the same storage: as DTensors (what
+        # checkpoints see) and as plain local tensors (what the optimizer steps; DTensor
+        # dispatch on a 4-D mesh would only add per-op overhead to elementwise updates).
         self.masters: list[nn.Parameter] = []
+        self.local_masters: list[nn.Parameter] = []
         self.grads_reduced = False  # this step's G buffer already reduced into the masters
         self._attach()
 
@@ -103,9 +107,8 @@ class LinsUnit:
             collectives.all_reduce(self.state.recorder, OPTIM_ALL_REDUCE, os_grad, self.state.mesh.group(OPTIM_REPLICA))
         if divide_factor != 1.0:
             os_grad.div_(divide_factor)
-        for master, view, shape in zip(self.masters, g.optim.views(os_grad, g.optim_index), g.local_shapes("optim")):
-            local = view.view(shape).to(master.dtype)
-            master.grad = DTensor.from_local(local, self.state.mesh.device_mesh, placements("optim"), run_check=False, shape=master.shape, stride=master.stride())
+        for master, view, shape in zip(self.local_masters, g.optim.views(os_grad, g.optim_index), g.local_shapes("optim")):
+            master.grad = view.view(shape).to(master.dtype)
         self.grads_reduced = True
 
     @torch.no_grad()
@@ -113,7 +116,7 @@ class LinsUnit:
         """All-gather the updated masters back into FSDP2's parameter shards."""
         g = self.geometry
         param_dtype = self.state.param_dtype
-        os_rows = [m.to_local().to(param_dtype) for m in self.masters]
+        os_rows = [m.to(param_dtype) for m in self.local_masters]
         g_rows = self.state.gather_level(g.optim, os_rows, UPDATE_GATHER_OPTIM, OPTIM_SHARD, param_dtype)
         p_rows = self.state.gather_level(g.grads, g_rows, UPDATE_GATHER_GRAD, GRAD_SHARD, param_dtype)
         for param, rows in zip(self.params, p_rows):
@@ -136,7 +139,7 @@ class LinsUnit:
                 value = value.full_tensor()
             if tuple(value.shape) != tuple(master.shape):
                 raise LinsPlanError(f"checkpoint entry '{prefix + fqn}' has shape {tuple(value.shape)}, the model {tuple(master.shape)}")
-            master.to_local().copy_(value.narrow(0, start, shape[0]))
+            master.to_local().copy_(value.narrow(0, start, shape[0]))  # shared with local_masters
         return found
 
     @torch.no_grad()
@@ -145,7 +148,7 @@ class LinsUnit:
         g = self.geometry
         starts, local_shapes = g.row_starts("optim"), g.local_shapes("optim")
         p_starts = g.row_starts("params")
-        masters = []
+        masters, local_masters = [], []
         for fqn, param, start, shape, p_start in zip(self.fqns, self.params, starts, local_shapes, p_starts):
             if full_values is not None and fqn in full_values:
                 source = full_values[fqn]
@@ -155,7 +158,8 @@ class LinsUnit:
             local = local.to(self.state.master_dtype, copy=True).contiguous()
             dtensor = DTensor.from_local(local, self.state.mesh.device_mesh, placements("optim"), run_check=False, shape=param.shape, stride=param.stride())
             masters.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
-        self.masters = masters
+            local_masters.append(nn.Parameter(masters[-1].to_local(), requires_grad=param.requires_grad))
+        self.masters, self.local_masters = masters, local_masters
 
 
 @dataclasses.dataclass
@@ -230,7 +234,7 @@ class LinsState:
             unit.gather_from_masters()
             unit.grad_buffer.zero_()
             unit.grads_reduced = False
-            for master in unit.masters:
+            for master in unit.local_masters:
                 master.grad = None
         self.recorder.end_step()
 
@@ -240,8 +244,8 @@ class LinsState:
 
         params = sum(p._local_tensor.untyped_storage().nbytes() for unit in self.units for p in unit.params)
         grads = sum(unit.grad_buffer.numel() * unit.grad_buffer.element_size() for unit in self.units)
-        masters = [m for unit in self.units for m in unit.masters]
-        optim = sum(m.to_local().numel() * m.element_size() for m in masters) + optimizer_state_bytes(self.optimizer)
+        masters = [m for unit in self.units for m in unit.local_masters]
+        optim = sum(m.numel() * m.element_size() for m in masters) + optimizer_state_bytes(self.optimizer)
         return {"params": params, "grads": grads, "optim": optim}
 
 
