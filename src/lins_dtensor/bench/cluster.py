@@ -413,6 +413,13 @@ class Planning:
         )
 
     def choose(self, microbatches: int, budget_gib: float | None, overlap: bool = True) -> dict:
+        """Rank 0's choice, sent to every rank: each rank building a different plan from a
+        near-tie would deadlock the first collective that only some of them issue."""
+        choice = [self._choose(microbatches, budget_gib, overlap) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def _choose(self, microbatches: int, budget_gib: float | None, overlap: bool) -> dict:
         from lins_dtensor.planner import PlannerError, choose_plan
 
         try:
