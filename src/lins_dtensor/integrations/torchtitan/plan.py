@@ -105,6 +105,18 @@ class Resolved:
     prediction: object | None = None  # planning.Prediction (planner's explanation when auto)
 
 
+def _rank0s(plan: LinsPlan) -> LinsPlan:
+    """Rank 0's choice on every rank: a near-tie in the planner may break differently in
+    another process, and ranks sharding with different plans would deadlock."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return plan
+    box = [str(plan)]
+    dist.broadcast_object_list(box, src=0)
+    return LinsPlan.parse(box[0])
+
+
 def resolve(job_config, model) -> Resolved:
     """The plan this run uses (explicit, or the planner's choice for ``model``) and the
     planner's prediction for it."""
@@ -117,7 +129,7 @@ def resolve(job_config, model) -> Resolved:
         plan = explicit_plan(lins, world, rpn)
         return Resolved(plan, rpn, planning.predict(job_config, model, plan, world, rpn))
     plan, prediction = planning.choose(job_config, model, world, rpn)
-    plan = with_reshard_policy(plan, lins.reshard_after_forward)
+    plan = with_reshard_policy(_rank0s(plan), lins.reshard_after_forward)
     try:
         plan.validate(world, rpn)
     except LinsPlanError as exc:
