@@ -62,6 +62,7 @@ def test_parse_errors_name_the_problem(text, world, message):
         (LinsPlan(0, 1, 1), 8, 4, "params=0 must be a positive integer"),
         (LinsPlan(8, 8, 8, reshard_after_forward=3), 8, 4, "reshard_after_forward=3"),
         (LinsPlan(4, 4, 4, reshard_after_forward=4), 8, 4, "reshard_after_forward=4"),
+        (LinsPlan(4, 4, 8, reshard_after_forward=2), 8, 4, "needs params == world_size=8"),
     ],
 )
 def test_validate_names_rule_and_values(plan, world, rpn, message):

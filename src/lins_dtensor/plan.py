@@ -113,6 +113,13 @@ class LinsPlan:
                     f"reshard_after_forward={hpz} must divide ranks_per_node={ranks_per_node} "
                     "or be a multiple of it (a group fills a node before it spans nodes)"
                 )
+            if self.params != world_size:
+                # FSDP2 builds the re-shard groups from the parameter group's ranks only;
+                # with several parameter groups those group creations deadlock.
+                raise LinsPlanError(
+                    f"reshard_after_forward={hpz} needs params == world_size={world_size} "
+                    f"(got params={self.params}): hpZ re-sharding works with full parameter sharding only"
+                )
 
     def split(self, ranks_per_node: int) -> dict[str, tuple[int, int]]:
         """Each factor as (ranks inside a node, nodes spanned), the paper's s0 x s1."""
