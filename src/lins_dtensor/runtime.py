@@ -16,7 +16,6 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -24,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from lins_dtensor import collectives
 from lins_dtensor.collectives import CommRecorder, LinsAllGather, LinsReduceScatter
 from lins_dtensor.layout import ChunkLayout
-from lins_dtensor.mesh import GRAD_SHARD, MESH_DIMS, OPTIM_REPLICA, OPTIM_SHARD, PARAM_SHARD, LinsMesh, mesh_shape, placements
+from lins_dtensor.mesh import GRAD_SHARD, MESH_DIMS, OPTIM_REPLICA, OPTIM_SHARD, LinsMesh, mesh_shape, placements
 from lins_dtensor.plan import LinsPlan, LinsPlanError
 from lins_dtensor.schedule import (
     GRAD_SHARD_REDUCE_SCATTER,

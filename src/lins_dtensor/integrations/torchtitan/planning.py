@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lins_dtensor.plan import LinsPlan, LinsPlanError
+from lins_dtensor.plan import LinsPlan
 
 MiB = float(1 << 20)
 
