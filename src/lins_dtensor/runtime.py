@@ -86,8 +86,10 @@ class LinsUnit:
                 f"{reduce_output.numel()}; are some parameters unused without set_reduce_scatter_unused_params?"
             )
         p_rows = g.params.views(reduce_output, g.param_index)
-        contribution = self.state.reduce_level(g.grads, p_rows, GRAD_SHARD_REDUCE_SCATTER, GRAD_SHARD)
-        self.grad_buffer.add_(contribution)
+        if g.grads.k == 1:  # G is sharded like P: accumulate in place, no staging copy
+            torch._foreach_add_(g.grads.views(self.grad_buffer, 0), p_rows)
+        else:
+            self.grad_buffer.add_(self.state.reduce_level(g.grads, p_rows, GRAD_SHARD_REDUCE_SCATTER, GRAD_SHARD))
         self.grads_reduced = False
         if self.state.reduce_in_backward:
             # Last micro-batch: reduce to the OS layout now, in FSDP2's reduce stream,
