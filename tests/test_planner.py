@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -286,3 +287,14 @@ def test_module_entry_point_and_no_traceback():
                          capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode != 0 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert math.isfinite(len(bad.stderr))
+
+
+def test_planner_times_local_copies_at_the_copy_bandwidth():
+    cluster = ClusterSpec.preset("h100", 64)
+    slow = dataclasses.replace(cluster, hardware=dataclasses.replace(cluster.hardware, copy_bw=cluster.hardware.hbm_bw / 10))
+    model, training = model_preset("llama_7b"), TrainingSpec(seq_len=2048)
+    plan = LinsPlan.parse("fsdp", 64)
+    fast_cost, slow_cost = evaluate(plan, model, cluster, training), evaluate(plan, model, slow, training)
+    for phase in ("forward", "backward", "step"):
+        assert slow_cost.compute_s[phase] > fast_cost.compute_s[phase]
+    assert slow_cost.step_s > fast_cost.step_s

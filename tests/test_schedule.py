@@ -91,3 +91,41 @@ def test_summarize_groups_by_state_op_link():
     assert out[("params", "all_gather", "inter")]["wire_bytes"] == pytest.approx(150)
     assert out[("optim", "all_reduce", "inter")]["wire_bytes"] == pytest.approx(8)
     assert out[("params", "all_gather", "intra")]["count"] == 1
+
+
+def _one_unit(plan: LinsPlan, rows: int = 64, cols: int = 32) -> list:
+    import torch
+
+    from lins_dtensor.schedule import UnitGeometry, UnitSchedule
+
+    zero = {"optim_replica": 0, "param_shard": 0, "grad_shard": 0, "optim_shard": 0}
+    return [UnitSchedule(UnitGeometry.build([torch.Size((rows, cols))], plan, zero))]
+
+
+def test_local_copies_follow_the_runtime_paths():
+    """FSDP2 copies around every gather and reduce-scatter (also on a one-rank group),
+    per micro-batch; the step's packing happens once, whatever M is."""
+    from lins_dtensor.schedule import local_copy_bytes
+
+    n, full, b = 8, 64 * 32, 4
+
+    def copies(text: str, m: int) -> dict:
+        plan = LinsPlan.parse(text, n)
+        return local_copy_bytes(plan, _one_unit(plan), microbatches=m, param_bytes=b, reduce_bytes=b, master_bytes=b)
+
+    fsdp = copies("p=8,g=8,os=8", 2)
+    # copy-out of the gathered unit plus copy-in of the shard, forward and backward re-gather
+    assert fsdp["forward"] == 2 * (2 * full + 2 * full // 8) * b
+    # reduce-scatter copy-in, accumulation into G (read 2, write 1), the re-gather
+    assert fsdp["backward"] == 2 * (2 * full + 3 * full // 8 + 2 * full + 2 * full // 8) * b
+    # pack G, divide, zero G, copy the update into FSDP2's shard
+    assert fsdp["step"] == (2 + 2 + 1 + 2) * full // 8 * b
+
+    replicated = copies("p=1,g=1,os=8", 1)
+    assert replicated["forward"] == 2 * full * b  # FSDP2 copies the shard even on one rank
+    assert replicated["backward"] > fsdp["backward"] / 2  # plus the one-rank reduce-scatter's output copy
+
+    one, four = copies("p=2,g=4,os=8", 1), copies("p=2,g=4,os=8", 4)
+    assert four["forward"] == 4 * one["forward"] and four["backward"] == 4 * one["backward"]
+    assert four["step"] == one["step"]
+

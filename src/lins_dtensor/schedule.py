@@ -240,6 +240,57 @@ def step_collectives(
     return [CollectiveRecord(*key, count=count) for key, count in counts.items()]
 
 
+def local_copy_bytes(
+    plan: LinsPlan,
+    units: Iterable[UnitSchedule],
+    *,
+    microbatches: int,
+    param_bytes: int,
+    reduce_bytes: int,
+    master_bytes: int = 4,
+) -> dict[str, int]:
+    """Bytes one rank reads plus writes in local copies around its collectives in one
+    step, by phase: the memory-bound work that surrounds the collectives above.
+
+    Per micro-batch, FSDP2 copies each unit's parameters out of its all-gather buffer
+    (and its own shard in), and copies the unsharded gradients into its reduce-scatter
+    input; it does both on a one-rank group too, plus an output copy in place of the
+    reduce-scatter. Lins then adds the result into the G buffer, after packing and
+    reduce-scattering it when G is sharded finer than P. At the step Lins packs the G
+    buffer for the OS reduction, divides, packs the updated masters for each gather
+    level, copies the result into FSDP2's shards and zeroes the G buffer. Small next to
+    a GPU's compute; a large share of a step on CPUs emulating a cluster.
+    """
+    copies = {phase.value: 0 for phase in Phase}
+    hpz = plan.reshard_after_forward
+    m = microbatches
+    for unit in units:
+        g = unit.geometry
+        if not any(s.numel() for s in g.shapes):
+            continue
+        full, p_numel, g_numel, os_numel = g.params.total_numel, g.params.chunk_numel, g.grads.chunk_numel, g.optim.chunk_numel
+        unshard = 2 * full * param_bytes + (2 * p_numel * param_bytes if g.params.k > 1 else 0)
+        copies[Phase.FORWARD.value] += m * unshard
+        backward = 2 * full * reduce_bytes * (1 if g.params.k > 1 else 2)
+        if g.grads.k == 1:
+            backward += 3 * p_numel * reduce_bytes
+        else:
+            backward += 2 * p_numel * reduce_bytes + 3 * g_numel * reduce_bytes
+        if not unit.is_root and hpz is not False:
+            backward += unshard
+        copies[Phase.BACKWARD.value] += m * backward
+        step = 2 * g_numel * reduce_bytes + 2 * os_numel * reduce_bytes + g_numel * reduce_bytes
+        if reduce_bytes != master_bytes:
+            step += os_numel * (reduce_bytes + master_bytes)
+        if param_bytes != master_bytes:
+            step += os_numel * (master_bytes + param_bytes)
+        step += 2 * os_numel * param_bytes if g.optim.k > 1 else 0
+        step += 2 * g_numel * param_bytes if g.grads.k > 1 else 0
+        step += 2 * p_numel * param_bytes
+        copies[Phase.STEP.value] += step
+    return copies
+
+
 def state_memory_bytes(
     units: Iterable[UnitSchedule], *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4, optim_states: int = 2
 ) -> dict[str, int]:

@@ -350,8 +350,11 @@ def link_bytes(records) -> dict:
 
 # ----- calibration and the planner ---------------------------------------------------------------
 def calibrate(args, rank: int) -> dict:
-    """Compute rate of one rank while every rank computes (no communication): forward +
-    backward of one micro-batch, and an AdamW step over the whole model."""
+    """This machine as the planner sees it, measured while every rank does the same work:
+    the compute rate (forward + backward of one micro-batch), the optimizer rate (an
+    AdamW step over the whole model), the copy rate (a model-sized copy), and how much of
+    a collective hides behind compute (a model-sized all-reduce over the world run
+    alone, then started asynchronously before a forward + backward)."""
     from lins_dtensor.planner.cost import model_flops_per_token
     from lins_dtensor.planner.models import model_from_module
 
@@ -359,31 +362,57 @@ def calibrate(args, rank: int) -> dict:
     model = build_model(args.model)
     spec = model_from_module(model, name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    fb, st = [], []
-    for i in range(3):
-        tokens = batch(99, rank, i, ma.vocab_size, args.seq_len, args.batch_size)
+    numel = sum(p.numel() for p in model.parameters())
+    src, dst = torch.randn(numel), torch.empty(numel)
+    grads = torch.zeros(numel)
+
+    def timed(fn) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        loss_fn(model, tokens).backward()
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def forward_backward(i: int):
+        return lambda: loss_fn(model, batch(99, rank, i, ma.vocab_size, args.seq_len, args.batch_size)).backward()
+
+    def overlapped(i: int):
+        def run():
+            work = dist.all_reduce(grads, async_op=True)
+            forward_backward(i)()
+            work.wait()
+        return run
+
+    samples: dict[str, list[float]] = {"fb": [], "step": [], "copy": [], "comm": [], "both": []}
+    for i in range(3):
+        fb = timed(forward_backward(i))
+        step = timed(opt.step)
         opt.zero_grad(set_to_none=True)
-        if i:
-            fb.append(t1 - t0)
-            st.append(t2 - t1)
-    worst = torch.tensor([statistics.median(fb), statistics.median(st)], dtype=torch.float64)
+        copy = timed(lambda: dst.copy_(src))
+        comm = timed(lambda: dist.all_reduce(grads))
+        both = timed(overlapped(i))
+        opt.zero_grad(set_to_none=True)
+        if i:  # the first round warms allocators and connections
+            for key, value in zip(samples, (fb, step, copy, comm, both)):
+                samples[key].append(value)
+    worst = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    fb_s, step_s = float(worst[0]), float(worst[1])
+    fb_s, step_s, copy_s, comm_s, both_s = (float(v) for v in worst)
     flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
-    numel = sum(p.numel() for p in model.parameters())
-    # The planner's optimizer model: numel * (2 * 4 * (1 + 2) + 4) bytes at hbm_bw.
+    # The planner hides up to overlap_fraction x compute: hidden / compute (a lower bound
+    # if the whole all-reduce hid, which a model-sized one on these links does not).
+    hidden = fb_s + comm_s - both_s
     return {
         "forward_backward_s": fb_s,
         "optimizer_step_s": step_s,
+        "copy_s": copy_s,
+        "all_reduce_s": comm_s,
+        "all_reduce_with_compute_s": both_s,
         "flops_per_microbatch": flops,
         "flops_per_s": flops / fb_s,
+        # The planner's optimizer model: numel * (2 * 4 * (1 + 2) + 4) bytes at hbm_bw.
         "optimizer_bytes_per_s": numel * (2 * 4 * 3 + 4) / step_s,
+        "copy_bytes_per_s": 2 * numel * 4 / copy_s,
+        "overlap_fraction": min(1.0, max(0.0, hidden / fb_s)),
     }
 
 
@@ -395,6 +424,7 @@ class Planning:
     world: int
     rpn: int
     args: object
+    overlap_fraction: float
 
     def cluster(self, budget_gib: float | None):
         from lins_dtensor.planner import ClusterSpec
@@ -409,7 +439,7 @@ class Planning:
         return TrainingSpec(
             seq_len=a.seq_len, micro_batch=a.batch_size, global_batch_tokens=a.seq_len * a.batch_size * self.world * microbatches,
             param_bytes=4, reduce_bytes=4, master_bytes=4, activation_bytes=4, clip_grad_norm=True,
-            overlap=overlap, overlap_fraction=a.overlap_fraction,
+            overlap=overlap, overlap_fraction=self.overlap_fraction,
         )
 
     def choose(self, microbatches: int, budget_gib: float | None, overlap: bool = True) -> dict:
@@ -442,35 +472,26 @@ class Planning:
     def _predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool, overlap: bool) -> dict:
         """The planner's cost of ``plan_text``; ``extra_backward_all_reduce`` adds stock
         HSDP's all-reduce of every micro-batch but the last (the Lins plan hsdp:k has
-        it once per step), timed by the same table and hidden by the same overlap rule."""
+        it once per step) to the backward collectives the planner times and hides."""
         from lins_dtensor import LinsPlan
         from lins_dtensor.planner import evaluate
         from lins_dtensor.planner.bandwidth import CollectiveTimer
-        from lins_dtensor.planner.cost import network_bytes
+        from lins_dtensor.planner.memory import rank0_units
+        from lins_dtensor.schedule import step_collectives
 
         plan = LinsPlan.parse(plan_text, self.world)
         cluster, training = self.cluster(None), self.training(microbatches, overlap)
         timer = CollectiveTimer(cluster.hardware, self.rpn, self.table)
-        cost = evaluate(plan, self.spec, cluster, training, timer)
-        step_s, exposed, comm = cost.step_s, dict(cost.exposed_s), dict(cost.comm_s)
-        inter_nic = cost.link_bytes("inter")
-        intra = cost.link_bytes("intra")
-        if extra_backward_all_reduce and microbatches > 1 and not overlap:
-            extra = [r for r in cost.records if r.name == "optim_all_reduce"]
-            step_s += sum(r.count * timer.seconds(r.op.value, r.group_size, r.nodes, r.message_bytes) for r in extra) * (microbatches - 1)
-            inter_nic += sum(network_bytes(r) for r in extra) * (microbatches - 1)
-        elif extra_backward_all_reduce and microbatches > 1:
-            extra = [r for r in cost.records if r.name == "optim_all_reduce"]
-            add_s = sum(r.count * timer.seconds(r.op.value, r.group_size, r.nodes, r.message_bytes) for r in extra) * (microbatches - 1)
-            calls = sum(r.count for r in cost.records if r.name in ("param_regather", "grad_reduce_scatter", "grad_shard_reduce_scatter"))
-            calls += sum(r.count for r in extra) * (microbatches - 1)
-            comm["backward"] += add_s
-            # cost.py's rule: hidden up to overlap_fraction of backward compute, except
-            # one collective per micro-batch.
-            first = comm["backward"] / calls * microbatches
-            exposed["backward"] = max(comm["backward"] - training.overlap_fraction * cost.compute_s["backward"], min(first, comm["backward"]))
-            step_s = sum(cost.compute_s.values()) + sum(exposed.values())
-            inter_nic += sum(network_bytes(r) for r in extra) * (microbatches - 1)
+        extra = []
+        if extra_backward_all_reduce and microbatches > 1:
+            once = step_collectives(
+                plan, rank0_units(self.spec, plan), world_size=self.world, ranks_per_node=self.rpn, microbatches=1,
+                param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes,
+            )
+            extra = [dataclasses.replace(r, count=r.count * (microbatches - 1)) for r in once if r.name == "optim_all_reduce"]
+        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra)
+        step_s, exposed, comm = cost.step_s, cost.exposed_s, cost.comm_s
+        inter_nic, intra = cost.link_bytes("inter"), cost.link_bytes("intra")
         return {
             "plan": plan_text, "step_s": step_s, "compute_s": cost.compute_s, "comm_s": comm, "exposed_s": exposed,
             "memory": cost.memory.gib(), "peak_bytes": cost.memory.peak,
@@ -509,8 +530,8 @@ def parse_args(argv):
     p.add_argument("--bandwidth", required=True, help="table from 'python -m lins_dtensor.planner profile'")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--link-rate", default="", help="the emulated link rate (recorded in the results)")
-    p.add_argument("--overlap-fraction", type=float, default=0.8,
-                   help="the planner's overlap_fraction (its default 0.8) for its choice and predictions")
+    p.add_argument("--overlap-fraction", type=float, default=None,
+                   help="the planner's overlap_fraction for its choice and predictions (default: measured at calibration)")
     p.add_argument("--skip-no-overlap-plan", action="store_true",
                    help="do not measure the plan the planner picks with overlap=False (measured by default)")
     p.add_argument("--no-plot", action="store_true")
@@ -559,14 +580,17 @@ def run(args) -> int:
 
     calib = calibrate(args, rank)
     log(rank, f"calibration: fwd+bwd {calib['forward_backward_s']:.3f} s/micro-batch -> {calib['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; "
-        f"AdamW step {calib['optimizer_step_s']:.3f} s")
+        f"AdamW step {calib['optimizer_step_s']:.3f} s; copies {calib['copy_bytes_per_s'] / 1e9:.2f} GB/s; "
+        f"overlap fraction {calib['overlap_fraction']:.2f} (all-reduce {calib['all_reduce_s']:.3f} s alone, "
+        f"{calib['all_reduce_with_compute_s']:.3f} s with compute)")
     hw = dc.replace(
         hardware_preset("cpu-emulated"), name="cpu-emulated (calibrated)", ranks_per_node=rpn,
-        peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"],
+        peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"], copy_bw=calib["copy_bytes_per_s"],
     )
+    overlap_fraction = calib["overlap_fraction"] if args.overlap_fraction is None else args.overlap_fraction
     table = BandwidthTable.load(args.bandwidth)
     spec = model_from_module(build_model(args.model), name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
-    planning = Planning(spec, hw, table, world, rpn, args)
+    planning = Planning(spec, hw, table, world, rpn, args, overlap_fraction)
     budgets = [None] + ([args.memory_budget_gib] if args.memory_budget_gib else [])
 
     choices = {}  # (M, budget label) -> dict
@@ -629,6 +653,7 @@ def run(args) -> int:
             "warmup_steps": args.warmup, "timed_steps": args.steps, "dtype": "fp32 params, fp32 gradient reduction, AdamW",
             "memory_budget_gib": args.memory_budget_gib or None, "bandwidth_table": os.path.abspath(args.bandwidth),
             "calibration": calib, "hardware": {k: v for k, v in dataclasses.asdict(hw).items()},
+            "overlap_fraction": overlap_fraction,
             "planner": [{"microbatches": m, "budget": lb, **c} for (m, lb), c in choices.items()],
             "elapsed_s": time.time() - t_start, "completed_microbatches": list(done),
             "methods": report.METHODS,
@@ -671,6 +696,8 @@ def run(args) -> int:
                     pred = planning.predict(eq, m, extra_backward_all_reduce=extra)
                 reused = any(r_["microbatches"] == m and r_["instance"] == key for r_ in rows)
                 rows.append(make_row(name, label, plan, m, result, gathered, pred, note, reused, args, world, budgets, key))
+                if name == "lins-planner":
+                    rows[-1]["chosen_for"] = [lb for (mm, lb), c in choices.items() if mm == m and c["plan"] == plan]
             times = summarize_times(result["times"])
             log(rank, f"M={m} {label:60.60s} {plan or '':22s} median {times['median']:.3f} s [{times['min']:.3f}, {times['max']:.3f}]")
         done.append(m)

@@ -14,6 +14,7 @@ also hides them behind the next forward).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner.bandwidth import CollectiveTimer
@@ -21,7 +22,7 @@ from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import MemoryBreakdown, memory_breakdown, rank0_units
 from lins_dtensor.planner.models import ModelSpec
 from lins_dtensor.planner.training import TrainingSpec
-from lins_dtensor.schedule import ALL_SPECS, CollectiveRecord, Phase, step_collectives
+from lins_dtensor.schedule import ALL_SPECS, CollectiveRecord, Phase, local_copy_bytes, step_collectives
 
 PHASE_OF = {spec.name: spec.phase.value for spec in ALL_SPECS}
 PHASES = tuple(p.value for p in Phase)
@@ -50,7 +51,7 @@ class PlanCost:
     microbatches: int
     memory: MemoryBreakdown
     budget: float
-    compute_s: dict[str, float]  # per step: forward, backward (incl. recompute), step (optimizer)
+    compute_s: dict[str, float]  # per step: forward, backward (incl. recompute), step (optimizer), each with its local copies
     comm_s: dict[str, float]  # per step, raw time of each phase's collectives
     exposed_s: dict[str, float]  # per step, the part not hidden behind compute
     step_s: float
@@ -58,6 +59,7 @@ class PlanCost:
     tokens_per_s: float  # whole cluster
     records: list[CollectiveRecord]
     record_s: list[float]  # time of each record (all its calls)
+    record_phase: list[str]  # the phase each record runs in
 
     @property
     def fits(self) -> bool:
@@ -72,8 +74,7 @@ class PlanCost:
         (state, link); ``exposed`` scales each record's
         time by its phase's exposed share."""
         out: dict[tuple[str, str], dict[str, float]] = {}
-        for r, t in zip(self.records, self.record_s):
-            phase = PHASE_OF[r.name]
+        for r, t, phase in zip(self.records, self.record_s, self.record_phase):
             share = (self.exposed_s[phase] / self.comm_s[phase]) if exposed and self.comm_s[phase] else 1.0
             e = out.setdefault((r.state, r.link), {"wire_bytes": 0.0, "link_bytes": 0.0, "seconds": 0.0})
             e["wire_bytes"] += r.wire_bytes
@@ -92,8 +93,12 @@ def evaluate(
     cluster: ClusterSpec,
     training: TrainingSpec,
     timer: CollectiveTimer | None = None,
+    extra_backward: Sequence[CollectiveRecord] = (),
 ) -> PlanCost:
-    """Predict memory and step time of ``plan`` (assumed valid for the cluster)."""
+    """Predict memory and step time of ``plan`` (assumed valid for the cluster).
+
+    ``extra_backward``: collectives another runtime issues in backward on top of the
+    plan's (the benchmark costs stock HSDP's all-reduce of every micro-batch with it)."""
     timer = timer or CollectiveTimer(cluster.hardware, cluster.gpus_per_node, cluster.bandwidth)  # type: ignore[arg-type]
     hw = cluster.hardware
     m = training.microbatches(cluster.gpus)
@@ -104,12 +109,14 @@ def evaluate(
         plan, units, world_size=cluster.gpus, ranks_per_node=cluster.gpus_per_node, microbatches=m,
         param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, clip_grad_norm=training.clip_grad_norm,
     )
+    record_phase = [PHASE_OF[r.name] for r in records] + [Phase.BACKWARD.value] * len(extra_backward)
+    records = records + list(extra_backward)
     record_s = [r.count * timer.seconds(r.op.value, r.group_size, r.nodes, r.message_bytes) for r in records]
     comm = dict.fromkeys(PHASES, 0.0)
     calls = dict.fromkeys(PHASES, 0)
-    for r, t in zip(records, record_s):
-        comm[PHASE_OF[r.name]] += t
-        calls[PHASE_OF[r.name]] += r.count
+    for r, t, phase in zip(records, record_s, record_phase):
+        comm[phase] += t
+        calls[phase] += r.count
 
     # Compute: forward is a third of the model FLOPs, backward two thirds, plus one
     # more forward when activations are recomputed.
@@ -122,6 +129,11 @@ def evaluate(
     os_numel = memory.optim / (training.master_bytes * (1 + training.optim_states))
     optimizer = os_numel * (2 * training.master_bytes * (1 + training.optim_states) + training.reduce_bytes) / hw.hbm_bw
     compute = {"forward": forward, "backward": backward, "step": optimizer}
+    copies = local_copy_bytes(
+        plan, units, microbatches=m, param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, master_bytes=training.master_bytes,
+    )
+    for phase, nbytes in copies.items():
+        compute[phase] += nbytes / hw.copy_bandwidth
 
     exposed = dict(comm)
     if training.overlap:
@@ -130,17 +142,17 @@ def evaluate(
                 first = comm[phase] / calls[phase] * m  # one unhidden collective per micro-batch
                 exposed[phase] = max(comm[phase] - training.overlap_fraction * compute[phase], min(first, comm[phase]))
         if (training.reduce_in_backward or training.overlap_step) and comm["step"]:
-            exposed["step"] = _overlapped_step(records, record_s, comm, compute, m, training.overlap_fraction, training.overlap_step)
+            exposed["step"] = _overlapped_step(records, record_s, record_phase, comm, compute, m, training.overlap_fraction, training.overlap_step)
     step_s = sum(compute.values()) + sum(exposed.values())
     mfu = flops / (step_s * hw.peak_flops)
-    return PlanCost(plan, m, memory, cluster.memory_budget, compute, comm, exposed, step_s, mfu, tokens * cluster.gpus / step_s, records, record_s)
+    return PlanCost(plan, m, memory, cluster.memory_budget, compute, comm, exposed, step_s, mfu, tokens * cluster.gpus / step_s, records, record_s, record_phase)
 
 
-def _overlapped_step(records, record_s, comm, compute, m: int, fraction: float, gathers_overlap: bool) -> float:
+def _overlapped_step(records, record_s, record_phase, comm, compute, m: int, fraction: float, gathers_overlap: bool) -> float:
     """Exposed step time when reductions overlap the last micro-batch's backward and (with
     ``gathers_overlap``) the update gathers the next forward, each using the capacity
     left by that micro-batch's own collectives."""
-    gathers = sum(t for r, t in zip(records, record_s) if PHASE_OF[r.name] == "step" and r.op.value == "all_gather")
+    gathers = sum(t for r, t, phase in zip(records, record_s, record_phase) if phase == "step" and r.op.value == "all_gather")
     reductions = comm["step"] - gathers
     backward_room = max(0.0, (fraction * compute["backward"] - comm["backward"]) / m)
     forward_room = max(0.0, (fraction * compute["forward"] - comm["forward"]) / m)

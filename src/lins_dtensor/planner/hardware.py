@@ -30,6 +30,11 @@ class HardwareSpec:
     efficiency: float = 0.65  # fraction of peak FLOPs a well-tuned step reaches
     reserved_bytes: float = 2 * GiB  # context, allocator fragmentation, workspaces
     memory_shared_by_world: bool = False  # cpu-emulated: one host's memory for all ranks
+    copy_bw: float | None = None  # bytes/s per rank read + written by local copies (None: hbm_bw)
+
+    @property
+    def copy_bandwidth(self) -> float:
+        return self.hbm_bw if self.copy_bw is None else self.copy_bw
 
     def rank_memory(self, world_size: int) -> float:
         return self.memory_bytes / world_size if self.memory_shared_by_world else self.memory_bytes
