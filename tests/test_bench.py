@@ -78,8 +78,9 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert meta["world_size"] == 4 and meta["nodes"] == 2 and meta["ranks_per_node"] == 2
     calib = meta["calibration"]
     assert meta["model"]["params"] > 0 and calib["flops_per_s"] > 0 and calib["copy_bytes_per_s"] > 0
-    assert 0.0 <= calib["overlap_fraction"] <= 1.0 and meta["overlap_fraction"] == calib["overlap_fraction"]
+    assert calib["unit_overhead_s"] >= 0 and calib["fsdp_forward_backward_s"] > 0
     assert meta["hardware"]["copy_bw"] == calib["copy_bytes_per_s"]
+    assert meta["hardware"]["unit_overhead_s"] == calib["unit_overhead_s"]
     assert {"unlimited", "0.0001 GiB"} <= {c["budget"] for c in meta["planner"]}
     (row,) = result["strategies"]
     assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)

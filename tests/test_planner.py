@@ -298,3 +298,14 @@ def test_planner_times_local_copies_at_the_copy_bandwidth():
     for phase in ("forward", "backward", "step"):
         assert slow_cost.compute_s[phase] > fast_cost.compute_s[phase]
     assert slow_cost.step_s > fast_cost.step_s
+
+
+def test_planner_adds_fsdp2_host_time_per_unit_and_microbatch():
+    cluster = ClusterSpec.preset("h100", 64)
+    hooked = dataclasses.replace(cluster, hardware=dataclasses.replace(cluster.hardware, unit_overhead_s=1e-3))
+    model = model_preset("llama_7b")
+    training = TrainingSpec(seq_len=2048, global_batch_tokens=2048 * 64 * 4, overlap=False)
+    plan = LinsPlan.parse("p=8,g=8,os=64", 64)
+    base, slow = evaluate(plan, model, cluster, training), evaluate(plan, model, hooked, training)
+    units = len(model.unit_shapes())
+    assert slow.step_s - base.step_s == pytest.approx(4 * units * 1e-3)

@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -349,22 +350,31 @@ def link_bytes(records) -> dict:
 
 
 # ----- calibration and the planner ---------------------------------------------------------------
-def calibrate(args, rank: int) -> dict:
-    """This machine as the planner sees it, measured while every rank does the same work:
-    the compute rate (forward + backward of one micro-batch), the optimizer rate (an
-    AdamW step over the whole model), the copy rate (a model-sized copy), and how much of
-    a collective hides behind compute (a model-sized all-reduce over the world run
-    alone, then started asynchronously before a forward + backward)."""
+def calibrate(args, rank: int, world: int) -> dict:
+    """This machine as the planner sees it, measured while every rank does the same work
+    (no communication): the compute rate (forward + backward of one micro-batch), the
+    optimizer rate (an AdamW step over the whole model), the copy rate (a model-sized
+    copy), and the host time FSDP2 adds per unit (the same forward + backward with every
+    unit under ``fully_shard`` on a one-rank group, less the copies the planner counts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lins_dtensor import LinsPlan
     from lins_dtensor.planner.cost import model_flops_per_token
+    from lins_dtensor.planner.memory import rank0_units
     from lins_dtensor.planner.models import model_from_module
+    from lins_dtensor.runtime import default_units
+    from lins_dtensor.schedule import local_copy_bytes
 
     ma = MODEL_SIZES[args.model]
-    model = build_model(args.model)
+    model, sharded = build_model(args.model), build_model(args.model)
     spec = model_from_module(model, name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    one_rank = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))["shard"]
+    for unit in [*default_units(sharded), sharded]:
+        fully_shard(unit, mesh=one_rank)
     numel = sum(p.numel() for p in model.parameters())
     src, dst = torch.randn(numel), torch.empty(numel)
-    grads = torch.zeros(numel)
 
     def timed(fn) -> float:
         dist.barrier()
@@ -372,47 +382,40 @@ def calibrate(args, rank: int) -> dict:
         fn()
         return time.perf_counter() - t0
 
-    def forward_backward(i: int):
-        return lambda: loss_fn(model, batch(99, rank, i, ma.vocab_size, args.seq_len, args.batch_size)).backward()
+    def forward_backward(net: nn.Module, i: int):
+        return lambda: loss_fn(net, batch(99, rank, i, ma.vocab_size, args.seq_len, args.batch_size)).backward()
 
-    def overlapped(i: int):
-        def run():
-            work = dist.all_reduce(grads, async_op=True)
-            forward_backward(i)()
-            work.wait()
-        return run
-
-    samples: dict[str, list[float]] = {"fb": [], "step": [], "copy": [], "comm": [], "both": []}
-    for i in range(3):
-        fb = timed(forward_backward(i))
+    samples: dict[str, list[float]] = {"plain": [], "step": [], "copy": [], "fsdp": []}
+    for i in range(4):
+        plain = timed(forward_backward(model, i))
         step = timed(opt.step)
         opt.zero_grad(set_to_none=True)
         copy = timed(lambda: dst.copy_(src))
-        comm = timed(lambda: dist.all_reduce(grads))
-        both = timed(overlapped(i))
-        opt.zero_grad(set_to_none=True)
-        if i:  # the first round warms allocators and connections
-            for key, value in zip(samples, (fb, step, copy, comm, both)):
+        fsdp = timed(forward_backward(sharded, i))
+        sharded.zero_grad(set_to_none=True)
+        if i:  # the first round warms allocators and caches
+            for key, value in zip(samples, (plain, step, copy, fsdp)):
                 samples[key].append(value)
     worst = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    fb_s, step_s, copy_s, comm_s, both_s = (float(v) for v in worst)
+    fb_s, step_s, copy_s, fsdp_s = (float(v) for v in worst)
     flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
-    # The planner hides up to overlap_fraction x compute: hidden / compute (a lower bound
-    # if the whole all-reduce hid, which a model-sized one on these links does not).
-    hidden = fb_s + comm_s - both_s
+    copy_bytes_per_s = 2 * numel * 4 / copy_s
+    replicated = LinsPlan.parse("ddp", 1)
+    units = rank0_units(spec, replicated)
+    copies = sum(local_copy_bytes(replicated, units, microbatches=1, param_bytes=4, reduce_bytes=4).values())
+    overhead = fsdp_s - fb_s - copies / copy_bytes_per_s
     return {
         "forward_backward_s": fb_s,
         "optimizer_step_s": step_s,
         "copy_s": copy_s,
-        "all_reduce_s": comm_s,
-        "all_reduce_with_compute_s": both_s,
+        "fsdp_forward_backward_s": fsdp_s,
         "flops_per_microbatch": flops,
         "flops_per_s": flops / fb_s,
         # The planner's optimizer model: numel * (2 * 4 * (1 + 2) + 4) bytes at hbm_bw.
         "optimizer_bytes_per_s": numel * (2 * 4 * 3 + 4) / step_s,
-        "copy_bytes_per_s": 2 * numel * 4 / copy_s,
-        "overlap_fraction": min(1.0, max(0.0, hidden / fb_s)),
+        "copy_bytes_per_s": copy_bytes_per_s,
+        "unit_overhead_s": max(0.0, overhead / len(units)),
     }
 
 
@@ -424,7 +427,6 @@ class Planning:
     world: int
     rpn: int
     args: object
-    overlap_fraction: float
 
     def cluster(self, budget_gib: float | None):
         from lins_dtensor.planner import ClusterSpec
@@ -439,7 +441,7 @@ class Planning:
         return TrainingSpec(
             seq_len=a.seq_len, micro_batch=a.batch_size, global_batch_tokens=a.seq_len * a.batch_size * self.world * microbatches,
             param_bytes=4, reduce_bytes=4, master_bytes=4, activation_bytes=4, clip_grad_norm=True,
-            overlap=overlap, overlap_fraction=self.overlap_fraction,
+            overlap=overlap, overlap_fraction=a.overlap_fraction,
         )
 
     def choose(self, microbatches: int, budget_gib: float | None, overlap: bool = True) -> dict:
@@ -463,16 +465,17 @@ class Planning:
             "top5": [{"plan": str(c.plan), "step_s": c.step_s} for c in ex.ranked[:5]],
         }
 
-    def predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool = False) -> dict:
+    def predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool = False, fsdp_hooks: bool = True) -> dict:
         """The planner's prediction with its overlap model, plus the no-overlap one."""
-        out = self._predict(plan_text, microbatches, extra_backward_all_reduce, True)
-        out["step_s_no_overlap"] = self._predict(plan_text, microbatches, extra_backward_all_reduce, False)["step_s"]
+        out = self._predict(plan_text, microbatches, extra_backward_all_reduce, fsdp_hooks, True)
+        out["step_s_no_overlap"] = self._predict(plan_text, microbatches, extra_backward_all_reduce, fsdp_hooks, False)["step_s"]
         return out
 
-    def _predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool, overlap: bool) -> dict:
+    def _predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool, fsdp_hooks: bool, overlap: bool) -> dict:
         """The planner's cost of ``plan_text``; ``extra_backward_all_reduce`` adds stock
         HSDP's all-reduce of every micro-batch but the last (the Lins plan hsdp:k has
-        it once per step) to the backward collectives the planner times and hides."""
+        it once per step) to the backward collectives the planner times and hides;
+        ``fsdp_hooks=False`` drops FSDP2's host time per unit (DDP has no units)."""
         from lins_dtensor import LinsPlan
         from lins_dtensor.planner import evaluate
         from lins_dtensor.planner.bandwidth import CollectiveTimer
@@ -481,6 +484,8 @@ class Planning:
 
         plan = LinsPlan.parse(plan_text, self.world)
         cluster, training = self.cluster(None), self.training(microbatches, overlap)
+        if not fsdp_hooks:
+            cluster = dataclasses.replace(cluster, hardware=dataclasses.replace(cluster.hardware, unit_overhead_s=0.0))
         timer = CollectiveTimer(cluster.hardware, self.rpn, self.table)
         extra = []
         if extra_backward_all_reduce and microbatches > 1:
@@ -501,17 +506,24 @@ class Planning:
 
 
 # The plan the planner costs for each non-Lins strategy (same bytes on the same groups).
-def equivalent_plan(strategy: str, rpn: int) -> tuple[str, bool, str]:
-    """(plan text, extra per-micro-batch all-reduce, note)."""
+class Equivalent(NamedTuple):
+    plan: str
+    extra_all_reduce: bool  # stock HSDP: an all-reduce on every micro-batch, not once per step
+    fsdp_hooks: bool  # runs FSDP2's per-unit hooks (the calibrated host time per unit)
+    note: str
+
+
+def equivalent_plan(strategy: str, rpn: int) -> Equivalent:
     return {
-        "fsdp2": ("fsdp", False, "costed as Lins p=N,g=N,os=N (same collectives)"),
-        "hsdp": (f"hsdp:{rpn}", True, f"costed as hsdp:{rpn} plus the all-reduce of micro-batches 1..M-1"),
-        "hsdp-deferred": (f"hsdp:{rpn}", False, f"costed as hsdp:{rpn} (same collectives)"),
-        "hpz": (f"hpz:{rpn}", False, f"costed as hpz:{rpn}"),
-        "ddp": ("ddp", False, "costed as Lins ddp (one all-reduce per step, exposed; DDP overlaps it with backward)"),
-        "lins-fsdp": ("fsdp", False, ""),
-        "lins-zero1": ("zero1", False, ""),
-        "lins-zero2": ("zero2", False, ""),
+        "fsdp2": Equivalent("fsdp", False, True, "costed as Lins p=N,g=N,os=N (same collectives)"),
+        "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} plus the all-reduce of micro-batches 1..M-1"),
+        "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} (same collectives)"),
+        "hpz": Equivalent(f"hpz:{rpn}", False, True, f"costed as hpz:{rpn}"),
+        "ddp": Equivalent("ddp", False, False, "costed as Lins ddp without FSDP2's per-unit host time (one all-reduce per "
+                          "step, exposed; DDP overlaps it with backward)"),
+        "lins-fsdp": Equivalent("fsdp", False, True, ""),
+        "lins-zero1": Equivalent("zero1", False, True, ""),
+        "lins-zero2": Equivalent("zero2", False, True, ""),
     }[strategy]
 
 
@@ -530,8 +542,8 @@ def parse_args(argv):
     p.add_argument("--bandwidth", required=True, help="table from 'python -m lins_dtensor.planner profile'")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--link-rate", default="", help="the emulated link rate (recorded in the results)")
-    p.add_argument("--overlap-fraction", type=float, default=None,
-                   help="the planner's overlap_fraction for its choice and predictions (default: measured at calibration)")
+    p.add_argument("--overlap-fraction", type=float, default=0.8,
+                   help="the planner's overlap_fraction (its default 0.8) for its choice and predictions")
     p.add_argument("--skip-no-overlap-plan", action="store_true",
                    help="do not measure the plan the planner picks with overlap=False (measured by default)")
     p.add_argument("--no-plot", action="store_true")
@@ -578,19 +590,18 @@ def run(args) -> int:
     log(rank, f"world {world} = {world // rpn} nodes x {rpn}; model {args.model} ({ma.num_params() / 1e6:.2f} M params), "
         f"seq {args.seq_len} x {args.batch_size} per micro-batch, M in {args.microbatches}")
 
-    calib = calibrate(args, rank)
+    calib = calibrate(args, rank, world)
     log(rank, f"calibration: fwd+bwd {calib['forward_backward_s']:.3f} s/micro-batch -> {calib['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; "
         f"AdamW step {calib['optimizer_step_s']:.3f} s; copies {calib['copy_bytes_per_s'] / 1e9:.2f} GB/s; "
-        f"overlap fraction {calib['overlap_fraction']:.2f} (all-reduce {calib['all_reduce_s']:.3f} s alone, "
-        f"{calib['all_reduce_with_compute_s']:.3f} s with compute)")
+        f"FSDP2 on one rank {calib['fsdp_forward_backward_s']:.3f} s/micro-batch -> {calib['unit_overhead_s'] * 1e3:.1f} ms per unit")
     hw = dc.replace(
         hardware_preset("cpu-emulated"), name="cpu-emulated (calibrated)", ranks_per_node=rpn,
         peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"], copy_bw=calib["copy_bytes_per_s"],
+        unit_overhead_s=calib["unit_overhead_s"],
     )
-    overlap_fraction = calib["overlap_fraction"] if args.overlap_fraction is None else args.overlap_fraction
     table = BandwidthTable.load(args.bandwidth)
     spec = model_from_module(build_model(args.model), name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
-    planning = Planning(spec, hw, table, world, rpn, args, overlap_fraction)
+    planning = Planning(spec, hw, table, world, rpn, args)
     budgets = [None] + ([args.memory_budget_gib] if args.memory_budget_gib else [])
 
     choices = {}  # (M, budget label) -> dict
@@ -621,7 +632,7 @@ def run(args) -> int:
             if s == "lins-planner" or (s == "hsdp-deferred" and m == 1):
                 continue  # hsdp-deferred is hsdp itself with one micro-batch
             if s.startswith("lins-"):
-                plan = str(LinsPlan.parse(equivalent_plan(s, rpn)[0], world))
+                plan = str(LinsPlan.parse(equivalent_plan(s, rpn).plan, world))
                 rows_m.append((s, DESCRIPTIONS[s], plan, f"lins:{plan}"))
             else:
                 rows_m.append((s, DESCRIPTIONS[s], None, s))
@@ -653,7 +664,6 @@ def run(args) -> int:
             "warmup_steps": args.warmup, "timed_steps": args.steps, "dtype": "fp32 params, fp32 gradient reduction, AdamW",
             "memory_budget_gib": args.memory_budget_gib or None, "bandwidth_table": os.path.abspath(args.bandwidth),
             "calibration": calib, "hardware": {k: v for k, v in dataclasses.asdict(hw).items()},
-            "overlap_fraction": overlap_fraction,
             "planner": [{"microbatches": m, "budget": lb, **c} for (m, lb), c in choices.items()],
             "elapsed_s": time.time() - t_start, "completed_microbatches": list(done),
             "methods": report.METHODS,
@@ -692,8 +702,9 @@ def run(args) -> int:
                     pred = planning.predict(plan, m)
                     note = "the planner's own plan"
                 else:
-                    eq, extra, note = equivalent_plan(name, rpn)
-                    pred = planning.predict(eq, m, extra_backward_all_reduce=extra)
+                    eq = equivalent_plan(name, rpn)
+                    pred = planning.predict(eq.plan, m, extra_backward_all_reduce=eq.extra_all_reduce, fsdp_hooks=eq.fsdp_hooks)
+                    note = eq.note
                 reused = any(r_["microbatches"] == m and r_["instance"] == key for r_ in rows)
                 rows.append(make_row(name, label, plan, m, result, gathered, pred, note, reused, args, world, budgets, key))
                 if name == "lins-planner":

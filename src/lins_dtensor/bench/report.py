@@ -156,11 +156,10 @@ def markdown(result: dict) -> str:
         "",
         f"Calibration (all ranks computing at once): {meta['calibration']['forward_backward_s']:.3f} s forward+backward per "
         f"micro-batch = {meta['calibration']['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; AdamW over the whole model "
-        f"{meta['calibration']['optimizer_step_s']:.3f} s; model-sized copy {meta['calibration']['copy_s']:.3f} s "
-        f"({meta['calibration']['copy_bytes_per_s'] / 1e9:.2f} GB/s read + written). A model-sized all-reduce over the world took "
-        f"{meta['calibration']['all_reduce_s']:.3f} s alone and {meta['calibration']['all_reduce_with_compute_s']:.3f} s started "
-        f"before a forward+backward, so {meta['calibration']['overlap_fraction']:.2f} of compute hid it: the planner's overlap "
-        f"fraction here is {meta['overlap_fraction']:.2f}.",
+        f"{meta['calibration']['optimizer_step_s']:.3f} s; a model-sized copy {meta['calibration']['copy_s']:.3f} s "
+        f"({meta['calibration']['copy_bytes_per_s'] / 1e9:.2f} GB/s read + written); forward+backward with every unit under "
+        f"fully_shard on a one-rank group {meta['calibration']['fsdp_forward_backward_s']:.3f} s, i.e. "
+        f"{meta['calibration']['unit_overhead_s'] * 1e3:.1f} ms of FSDP2 host time per unit and micro-batch beyond its copies.",
         "",
         "Planner choices:",
         "",

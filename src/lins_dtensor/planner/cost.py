@@ -9,6 +9,10 @@ of each phase, which has nothing to hide behind; the optimizer-step reductions h
 behind the last backward when the runtime reduces there (``reduce_in_backward``) and
 the update gathers are exposed (``overlap_step`` models the paper's executor, which
 also hides them behind the next forward).
+
+Compute is the model FLOPs at the device's rate, plus the memory-bound work around the
+collectives (:func:`lins_dtensor.schedule.local_copy_bytes` at the copy bandwidth) and
+FSDP2's host time per unit, both of which matter on CPUs and barely on GPUs.
 """
 
 from __future__ import annotations
@@ -134,6 +138,9 @@ def evaluate(
     )
     for phase, nbytes in copies.items():
         compute[phase] += nbytes / hw.copy_bandwidth
+    hooks = m * len(units) * hw.unit_overhead_s  # split like the FLOPs
+    compute["forward"] += hooks / 3
+    compute["backward"] += 2 * hooks / 3
 
     exposed = dict(comm)
     if training.overlap:
