@@ -403,7 +403,8 @@ def calibrate(args, rank: int, world: int) -> dict:
     copy_bytes_per_s = 2 * numel * 4 / copy_s
     replicated = LinsPlan.parse("ddp", 1)
     units = rank0_units(spec, replicated)
-    copies = sum(local_copy_bytes(replicated, units, microbatches=1, param_bytes=4, reduce_bytes=4).values())
+    copies = local_copy_bytes(replicated, units, microbatches=1, param_bytes=4, reduce_bytes=4)
+    copies = copies["forward"] + copies["backward"]
     overhead = fsdp_s - fb_s - copies / copy_bytes_per_s
     return {
         "forward_backward_s": fb_s,
