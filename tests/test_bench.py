@@ -42,7 +42,7 @@ def _skip_reason() -> str | None:
 
 ROW_FIELDS = {
     "strategy", "label", "plan", "microbatches", "reused_measurement", "step_time_s", "tokens_per_step",
-    "tokens_per_s", "peak_memory", "bytes_per_rank", "predicted", "fits", "prediction_error", "last_loss",
+    "tokens_per_s", "peak_memory", "bytes_per_rank", "predicted", "fits", "prediction_error", "prediction_error_reference", "last_loss",
 }
 
 
@@ -81,6 +81,7 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert calib["unit_overhead_s"] >= 0 and calib["fsdp_forward_backward_s"] > 0
     assert meta["hardware"]["copy_bw"] == calib["copy_bytes_per_s"]
     assert meta["hardware"]["unit_overhead_s"] == calib["unit_overhead_s"]
+    assert meta["overlap_fraction"] == 0.0 and meta["reference_overlap_fraction"] == 0.8
     assert {"unlimited", "0.0001 GiB"} <= {c["budget"] for c in meta["planner"]}
     (row,) = result["strategies"]
     assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)

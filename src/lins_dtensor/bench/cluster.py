@@ -435,28 +435,28 @@ class Planning:
         budget = math.inf if budget_gib is None else budget_gib * GiB
         return ClusterSpec(self.world, self.rpn, self.hardware, self.table, budget)
 
-    def training(self, microbatches: int, overlap: bool = True):
+    def training(self, microbatches: int, overlap_fraction: float):
         from lins_dtensor.planner import TrainingSpec
 
         a = self.args
         return TrainingSpec(
             seq_len=a.seq_len, micro_batch=a.batch_size, global_batch_tokens=a.seq_len * a.batch_size * self.world * microbatches,
             param_bytes=4, reduce_bytes=4, master_bytes=4, activation_bytes=4, clip_grad_norm=True,
-            overlap=overlap, overlap_fraction=a.overlap_fraction,
+            overlap=overlap_fraction > 0, overlap_fraction=overlap_fraction,
         )
 
-    def choose(self, microbatches: int, budget_gib: float | None, overlap: bool = True) -> dict:
+    def choose(self, microbatches: int, budget_gib: float | None, overlap_fraction: float) -> dict:
         """Rank 0's choice, sent to every rank: each rank building a different plan from a
         near-tie would deadlock the first collective that only some of them issue."""
-        choice = [self._choose(microbatches, budget_gib, overlap) if dist.get_rank() == 0 else None]
+        choice = [self._choose(microbatches, budget_gib, overlap_fraction) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _choose(self, microbatches: int, budget_gib: float | None, overlap: bool) -> dict:
+    def _choose(self, microbatches: int, budget_gib: float | None, overlap_fraction: float) -> dict:
         from lins_dtensor.planner import PlannerError, choose_plan
 
         try:
-            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap))
+            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap_fraction))
         except PlannerError as exc:
             return {"plan": None, "error": str(exc)}
         return {
@@ -467,12 +467,13 @@ class Planning:
         }
 
     def predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool = False, fsdp_hooks: bool = True) -> dict:
-        """The planner's prediction with its overlap model, plus the no-overlap one."""
-        out = self._predict(plan_text, microbatches, extra_backward_all_reduce, fsdp_hooks, True)
-        out["step_s_no_overlap"] = self._predict(plan_text, microbatches, extra_backward_all_reduce, fsdp_hooks, False)["step_s"]
+        """The planner's prediction with the run's overlap fraction, plus the reference one's step time."""
+        a = self.args
+        out = self._predict(plan_text, microbatches, extra_backward_all_reduce, fsdp_hooks, a.overlap_fraction)
+        out["step_s_reference"] = self._predict(plan_text, microbatches, extra_backward_all_reduce, fsdp_hooks, a.reference_overlap_fraction)["step_s"]
         return out
 
-    def _predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool, fsdp_hooks: bool, overlap: bool) -> dict:
+    def _predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool, fsdp_hooks: bool, overlap_fraction: float) -> dict:
         """The planner's cost of ``plan_text``; ``extra_backward_all_reduce`` adds stock
         HSDP's all-reduce of every micro-batch but the last (the Lins plan hsdp:k has
         it once per step) to the backward collectives the planner times and hides;
@@ -484,7 +485,7 @@ class Planning:
         from lins_dtensor.schedule import step_collectives
 
         plan = LinsPlan.parse(plan_text, self.world)
-        cluster, training = self.cluster(None), self.training(microbatches, overlap)
+        cluster, training = self.cluster(None), self.training(microbatches, overlap_fraction)
         if not fsdp_hooks:
             cluster = dataclasses.replace(cluster, hardware=dataclasses.replace(cluster.hardware, unit_overhead_s=0.0))
         timer = CollectiveTimer(cluster.hardware, self.rpn, self.table)
@@ -543,10 +544,14 @@ def parse_args(argv):
     p.add_argument("--bandwidth", required=True, help="table from 'python -m lins_dtensor.planner profile'")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--link-rate", default="", help="the emulated link rate (recorded in the results)")
-    p.add_argument("--overlap-fraction", type=float, default=0.8,
-                   help="the planner's overlap_fraction (its default 0.8) for its choice and predictions")
-    p.add_argument("--skip-no-overlap-plan", action="store_true",
-                   help="do not measure the plan the planner picks with overlap=False (measured by default)")
+    p.add_argument("--overlap-fraction", type=float, default=0.0,
+                   help="the planner's overlap_fraction for its plans and predictions; 0 (nothing hides) is how FSDP2 "
+                        "and Lins run on CPU, where there are no CUDA streams to overlap on")
+    p.add_argument("--reference-overlap-fraction", type=float, default=0.8,
+                   help="a second overlap model (default: the planner's GPU default); every row gets its prediction, "
+                        "and its unlimited-memory pick is measured too")
+    p.add_argument("--skip-reference-plan", action="store_true",
+                   help="do not measure the plan picked under --reference-overlap-fraction")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.microbatches = [int(x) for x in str(args.microbatches).split(",") if x.strip()]
@@ -608,10 +613,9 @@ def run(args) -> int:
     choices = {}  # (M, budget label) -> dict
     for m in args.microbatches:
         for b in budgets:
-            choices[(m, budget_label(b))] = planning.choose(m, b)
-        if not args.skip_no_overlap_plan:
-            # What the planner picks when told that nothing overlaps (2 shared cores).
-            choices[(m, NO_OVERLAP)] = planning.choose(m, None, overlap=False)
+            choices[(m, budget_label(b))] = planning.choose(m, b, args.overlap_fraction)
+        if not args.skip_reference_plan:
+            choices[(m, reference_label(args))] = planning.choose(m, None, args.reference_overlap_fraction)
 
     strategies = Strategies(args, world, rpn)
     from lins_dtensor import LinsPlan
@@ -623,7 +627,7 @@ def run(args) -> int:
         rows_m = []
         if "lins-planner" in args.strategies:
             seen = set()
-            for lb in [budget_label(b) for b in budgets] + ([NO_OVERLAP] if not args.skip_no_overlap_plan else []):
+            for lb in [budget_label(b) for b in budgets] + ([reference_label(args)] if not args.skip_reference_plan else []):
                 plan = choices[(m, lb)]["plan"]
                 if plan and plan not in seen:
                     seen.add(plan)
@@ -663,6 +667,7 @@ def run(args) -> int:
             "model": {"size": args.model, **dataclasses.asdict(ma), "params": ma.num_params(), "units": len(spec.unit_shapes())},
             "seq_len": args.seq_len, "batch_size": args.batch_size, "microbatches": args.microbatches,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "dtype": "fp32 params, fp32 gradient reduction, AdamW",
+            "overlap_fraction": args.overlap_fraction, "reference_overlap_fraction": args.reference_overlap_fraction,
             "memory_budget_gib": args.memory_budget_gib or None, "bandwidth_table": os.path.abspath(args.bandwidth),
             "calibration": calib, "hardware": {k: v for k, v in dataclasses.asdict(hw).items()},
             "planner": [{"microbatches": m, "budget": lb, **c} for (m, lb), c in choices.items()],
@@ -727,7 +732,8 @@ def _json_default(o):
     return str(o)
 
 
-NO_OVERLAP = "unlimited, no-overlap model"
+def reference_label(args) -> str:
+    return f"unlimited, overlap model {args.reference_overlap_fraction:g}"
 
 
 def budget_label(budget_gib: float | None) -> str:

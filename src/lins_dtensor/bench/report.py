@@ -25,9 +25,10 @@ METHODS = {
              "spanning nodes (inter) or inside a node (intra); 'NIC' = ring-algorithm bytes per rank through its "
              "node's link (planner.cost.network_bytes). Scalar gradient-norm all-reduces of torch's clip_grad_norm_ "
              "are not counted (8 bytes)",
-    "predicted": "planner.evaluate with the bandwidth table profiled on this emulated cluster and the compute rate "
-                 "calibrated at start-up (every rank computing at once, no communication); non-Lins strategies are "
-                 "costed as the Lins plan with the same collectives",
+    "predicted": "planner.evaluate with the bandwidth table profiled on this emulated cluster and the compute, optimizer "
+                 "and copy rates and FSDP2's host time per unit calibrated at start-up (every rank working at once, no "
+                 "communication); with the run's overlap fraction (default 0: on CPU nothing overlaps, FSDP2 and Lins "
+                 "overlap through CUDA streams) and with a reference one (default 0.8, the planner's GPU default); non-Lins strategies are costed as the Lins plan with the same collectives",
     "fits": "the planner's predicted peak per-rank memory for the strategy (model states + activations + buffers) <= budget",
 }
 
@@ -65,7 +66,7 @@ def assemble(meta: dict, rows: list[dict]) -> dict:
     for r in rows:
         measured, predicted = r["step_time_s"]["median"], r["predicted"]["step_s"]
         r["prediction_error"] = (predicted - measured) / measured
-        r["prediction_error_no_overlap"] = (r["predicted"]["step_s_no_overlap"] - measured) / measured
+        r["prediction_error_reference"] = (r["predicted"]["step_s_reference"] - measured) / measured
     ms = sorted({r["microbatches"] for r in rows})
     correlation, comparisons = {}, {}
     for m in ms:
@@ -74,15 +75,15 @@ def assemble(meta: dict, rows: list[dict]) -> dict:
             "spearman": spearman([r["predicted"]["step_s"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
             "n": len(unique),
             "mean_abs_error": sum(abs(r["prediction_error"]) for r in unique) / len(unique) if unique else None,
-            "spearman_no_overlap": spearman([r["predicted"]["step_s_no_overlap"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
-            "mean_abs_error_no_overlap": sum(abs(r["prediction_error_no_overlap"]) for r in unique) / len(unique) if unique else None,
+            "spearman_reference": spearman([r["predicted"]["step_s_reference"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
+            "mean_abs_error_reference": sum(abs(r["prediction_error_reference"]) for r in unique) / len(unique) if unique else None,
         }
         comparisons[f"M={m}"] = compare([r for r in rows if r["microbatches"] == m])
     unique = [r for r in rows if not r["reused_measurement"]]
     correlation["all"] = {
         "spearman": spearman([r["predicted"]["step_s"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
         "n": len(unique),
-        "spearman_no_overlap": spearman([r["predicted"]["step_s_no_overlap"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
+        "spearman_reference": spearman([r["predicted"]["step_s_reference"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
     }
     return {"meta": meta, "strategies": rows, "rank_correlation": correlation, "comparisons": comparisons}
 
@@ -170,10 +171,11 @@ def markdown(result: dict) -> str:
                          f"{c['dropped_for_memory']} of {c['valid_plans']} plans dropped for memory) - {c['reason']}")
         else:
             lines.append(f"- M={c['microbatches']}, budget {c['budget']}: no plan ({c.get('error')})")
+    ov, ref = meta["overlap_fraction"], meta["reference_overlap_fraction"]
     budget_cols = [k for k in result["strategies"][0]["fits"] if k != "unlimited"] if result["strategies"] else []
     head = ("| M | strategy | plan | step s median [min, max] | tokens/s | peak RSS delta MiB (max rank) | model states MiB | "
-            "inter-node MB/rank msg (NIC) | intra-node MB/rank msg | predicted s (error) | predicted s, no overlap (error) |"
-            + "".join(f" fits {b} |" for b in budget_cols))
+            f"inter-node MB/rank msg (NIC) | intra-node MB/rank msg | predicted s, overlap {ov:g} (error) | "
+            f"predicted s, overlap {ref:g} (error) |" + "".join(f" fits {b} |" for b in budget_cols))
     lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["strategies"]:
         t, b, pm = r["step_time_s"], r["bytes_per_rank"], r["peak_memory"]
@@ -183,18 +185,18 @@ def markdown(result: dict) -> str:
             f"{r['tokens_per_s']:.0f} | {_mib(pm['rss_delta_max_bytes'])} | {_mib(pm['model_state_bytes_max'])} | "
             f"{_mb(b['inter_message_bytes'])} ({_mb(b['inter_nic_bytes'])}) | {_mb(b['intra_message_bytes'])} | "
             f"{r['predicted']['step_s']:.2f} ({r['prediction_error']:+.0%}) | "
-            f"{r['predicted']['step_s_no_overlap']:.2f} ({r['prediction_error_no_overlap']:+.0%}) |{fits}"
+            f"{r['predicted']['step_s_reference']:.2f} ({r['prediction_error_reference']:+.0%}) |{fits}"
         )
     lines += ["", "Rank correlation of predicted vs measured step time (Spearman, distinct measurements), "
-              "planner's overlap model / no-overlap model:", ""]
+              f"planner with overlap fraction {ov:g} (this run's) / {ref:g} (reference):", ""]
 
     def fmt(x, pct=False):
         return "n/a" if x is None else (f"{x:.0%}" if pct else f"{x:.2f}")
 
     for k, v in result["rank_correlation"].items():
-        extra = (f"; mean |error| {fmt(v['mean_abs_error'], True)} / {fmt(v['mean_abs_error_no_overlap'], True)}"
+        extra = (f"; mean |error| {fmt(v['mean_abs_error'], True)} / {fmt(v['mean_abs_error_reference'], True)}"
                  if "mean_abs_error" in v else "")
-        lines.append(f"- {k}: rho = {fmt(v['spearman'])} / {fmt(v['spearman_no_overlap'])} over {v['n']} strategies{extra}")
+        lines.append(f"- {k}: rho = {fmt(v['spearman'])} / {fmt(v['spearman_reference'])} over {v['n']} strategies{extra}")
     lines += ["", "Comparisons:", ""]
     for m, comp in result["comparisons"].items():
         if "lins_fsdp_over_fsdp2" in comp:
@@ -233,10 +235,11 @@ def plot(result: dict, path: str) -> None:
         lo = [r["step_time_s"]["median"] - r["step_time_s"]["min"] for r in sel]
         hi = [r["step_time_s"]["max"] - r["step_time_s"]["median"] for r in sel]
         pred = [r["predicted"]["step_s"] for r in sel]
-        pred0 = [r["predicted"]["step_s_no_overlap"] for r in sel]
+        pred0 = [r["predicted"]["step_s_reference"] for r in sel]
         ax.bar([x - 0.27 for x in xs], med, 0.27, yerr=[lo, hi], capsize=3, label="measured (median, min-max)")
-        ax.bar(list(xs), pred, 0.27, label="planner predicted (overlap model)")
-        ax.bar([x + 0.27 for x in xs], pred0, 0.27, label="planner predicted (no overlap)")
+        meta = result["meta"]
+        ax.bar(list(xs), pred, 0.27, label=f"planner predicted (overlap {meta['overlap_fraction']:g})")
+        ax.bar([x + 0.27 for x in xs], pred0, 0.27, label=f"planner predicted (overlap {meta['reference_overlap_fraction']:g})")
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{r['strategy']}\n{r['plan'] or ''}" for r in sel], rotation=60, ha="right", fontsize=7)
         rho = result["rank_correlation"].get(f"M={m}", {}).get("spearman")
