@@ -86,3 +86,27 @@ def test_bf16_error_is_within_fsdp2_bf16_error(fsdp_runs, references):
     for run in lins[2:]:
         err = worst_rel_err(run["masters"], ref)
         assert err < 1.5 * fsdp_err + 1e-3 and err < 0.05, f"{run['config']['plan']} bf16: {err:.2e} vs FSDP2 bf16 {fsdp_err:.2e}"
+
+
+def _fsdp2_adam_state_bytes() -> tuple[int, int]:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lins_dtensor.optimizer import optimizer_state_bytes
+
+    model = nn.Linear(8, 6)
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    model.set_force_sum_reduction_for_comms(True)  # gloo has no AVG
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return optimizer_state_bytes(opt), sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+
+def test_optimizer_state_bytes_counts_local_shards_of_dtensor_states():
+    """FSDP2's Adam states are DTensors: a rank holds its shard, not the global size."""
+    from distributed import run
+
+    state_bytes, local_param_bytes = run(_fsdp2_adam_state_bytes, 2)
+    assert state_bytes == 2 * local_param_bytes

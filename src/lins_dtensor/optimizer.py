@@ -120,7 +120,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     for per_param in optimizer.state.values():
         for value in per_param.values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                total += value.numel() * value.element_size()
+                local = value.to_local() if isinstance(value, DTensor) else value  # FSDP2's states are DTensors
+                total += local.numel() * local.element_size()
     return total
 
 
