@@ -537,7 +537,7 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--microbatches", default="1,4", help="comma list of M (micro-batches per step)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per strategy and M")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per strategy and M")
     p.add_argument("--strategies", default="all", help=f"comma list of {','.join(STRATEGIES)} or 'all'")
     p.add_argument("--memory-budget-gib", type=float, default=0.0625,
                    help="per-rank budget the planner must respect (the run also plans with no budget); 0: only unlimited")
