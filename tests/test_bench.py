@@ -114,3 +114,36 @@ def test_bench_cluster_refuses_without_root():
     )
     assert proc.returncode != 0
     assert proc.stderr.strip().count("\n") == 0 and "root" in proc.stderr, proc.stderr
+
+
+def _row(strategy: str, median: float, fits_budget: bool, plan: str | None = None, chosen_for: list | None = None) -> dict:
+    row = {"strategy": strategy, "label": strategy if chosen_for is None else f"Lins planner [{', '.join(chosen_for)}]",
+           "plan": plan, "step_time_s": {"median": median}, "fits": {"1 GiB": fits_budget, "unlimited": True}}
+    if chosen_for is not None:
+        row["chosen_for"] = chosen_for
+    return row
+
+
+def test_targets_compare_against_variants_that_fit_the_plans_budget():
+    """The 1.3x target counts only FSDP2 variants that fit the memory the plan was chosen
+    under; the fastest variant in any memory is reported beside it."""
+    from lins_dtensor.bench.report import compare
+
+    rows = [
+        _row("lins-planner", 2.0, True, "p=4,g=4,os=8", ["1 GiB"]),
+        _row("lins-planner", 1.0, False, "p=1,g=1,os=4", ["unlimited"]),
+        _row("lins-fsdp", 8.1, True, "p=8,g=8,os=8"),
+        _row("fsdp2", 8.0, True),
+        _row("hpz", 4.0, True),
+        _row("hsdp-deferred", 1.5, False),
+    ]
+    out = compare(rows)
+    assert out["lins_fsdp_over_fsdp2"] == pytest.approx(8.1 / 8.0) and out["lins_fsdp_within_3pct"]
+    budgeted = out["Lins planner [1 GiB]"]
+    assert budgeted["budget"] == "1 GiB" and budgeted["best_variant_same_memory"] == "hpz"
+    assert budgeted["speedup_vs_best_variant_same_memory"] == pytest.approx(2.0)
+    assert budgeted["target_1.3x_vs_best_variant_met"] and budgeted["target_2x_vs_fsdp2_met"]
+    assert budgeted["best_fsdp2_variant"] == "hsdp-deferred" and budgeted["speedup_vs_best_fsdp2_variant"] == pytest.approx(0.75)
+    unlimited = out["Lins planner [unlimited]"]
+    assert unlimited["budget"] == "unlimited" and unlimited["best_variant_same_memory"] == "hsdp-deferred"
+    assert unlimited["speedup_vs_best_variant_same_memory"] == pytest.approx(1.5) and unlimited["target_1.3x_vs_best_variant_met"]
