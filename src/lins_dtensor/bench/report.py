@@ -93,8 +93,9 @@ def _median(rows, strategy):
     return (found[0]["step_time_s"]["median"], found[0]) if found else (None, None)
 
 
-def _tightest_budget(row: dict) -> str | None:
-    """The memory budget a planner row was chosen under (None: chosen without one)."""
+def _plan_budget(row: dict) -> str | None:
+    """The memory budget a planner row was chosen under (None: chosen without one; a run
+    has at most one budget)."""
     limited = [lb for lb in row.get("chosen_for", []) if lb in row["fits"] and lb != "unlimited"]
     return limited[0] if limited else None
 
@@ -120,7 +121,7 @@ def compare(rows: list[dict]) -> dict:
             entry["speedup_vs_best_fsdp2_variant"] = best["step_time_s"]["median"] / r["step_time_s"]["median"]
             # The target compares against the variants that fit the memory the plan was
             # chosen for (all of them when it was chosen without a budget).
-            budget = _tightest_budget(r)
+            budget = _plan_budget(r)
             fitting = [x for x in family if budget is None or x["fits"].get(budget)]
             entry["budget"] = budget or "unlimited"
             if fitting:
