@@ -78,7 +78,7 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert meta["world_size"] == 4 and meta["nodes"] == 2 and meta["ranks_per_node"] == 2
     calib = meta["calibration"]
     assert meta["model"]["params"] > 0 and calib["flops_per_s"] > 0 and calib["copy_bytes_per_s"] > 0
-    assert calib["unit_overhead_s"] >= 0 and calib["fsdp_forward_backward_s"] > 0
+    assert calib["unit_overhead_s"] >= 0 and calib["lins_forward_backward_s"] > 0
     assert meta["hardware"]["copy_bw"] == calib["copy_bytes_per_s"]
     assert meta["hardware"]["unit_overhead_s"] == calib["unit_overhead_s"]
     assert meta["overlap_fraction"] == 0.0 and meta["reference_overlap_fraction"] == 0.8

@@ -129,3 +129,14 @@ def test_local_copies_follow_the_runtime_paths():
     assert four["forward"] == 4 * one["forward"] and four["backward"] == 4 * one["backward"]
     assert four["step"] == one["step"]
 
+
+
+def test_local_copies_of_hpz_regather_from_the_post_forward_shard():
+    from lins_dtensor.schedule import local_copy_bytes
+
+    n, full, b = 8, 64 * 32, 4
+    plan = LinsPlan.parse("p=8,g=8,os=8,hpz=4", n)
+    hpz = local_copy_bytes(plan, _one_unit(plan), microbatches=1, param_bytes=b, reduce_bytes=b, master_bytes=b)
+    shard = 2 * (full // 4) * b
+    assert hpz["forward"] == (2 * full + 2 * full // 8) * b + shard  # gather, then keep a 1/4 shard
+    assert hpz["backward"] == (2 * full + 3 * full // 8) * b + 2 * full * b + shard  # re-gather from it

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from lins_dtensor import collectives
 from lins_dtensor.collectives import CommRecorder, LinsAllGather, LinsReduceScatter
 from lins_dtensor.layout import ChunkLayout
-from lins_dtensor.mesh import GRAD_SHARD, MESH_DIMS, OPTIM_REPLICA, OPTIM_SHARD, LinsMesh, mesh_shape, placements
+from lins_dtensor.mesh import GRAD_SHARD, MESH_DIMS, OPTIM_REPLICA, OPTIM_SHARD, PARAM_SHARD, LinsMesh, mesh_shape, placements
 from lins_dtensor.plan import LinsPlan, LinsPlanError
 from lins_dtensor.schedule import (
     GRAD_SHARD_REDUCE_SCATTER,
@@ -66,8 +66,11 @@ class LinsUnit:
         module.set_custom_all_gather(LinsAllGather(recorder))
         module.set_custom_reduce_scatter(LinsReduceScatter(recorder))
         # Sum in the collectives (no AVG / PREMUL_SUM, which gloo lacks); Lins divides
-        # once at the step, after the gradient has been summed over every rank.
-        module.set_gradient_divide_factor(1.0)
+        # once at the step, after the gradient has been summed over every rank. On a
+        # one-rank group FSDP2 divides nothing by default, and setting a factor there
+        # would only make it divide into a new tensor before its copy.
+        if self.state.mesh.size(PARAM_SHARD) > 1:
+            module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
         # Every parameter's gradient in every reduce, so the buffer layout is fixed.
         module.set_reduce_scatter_unused_params(True, recurse=False)

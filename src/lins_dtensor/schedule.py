@@ -255,8 +255,9 @@ def local_copy_bytes(
     Per micro-batch, FSDP2 copies each unit's parameters out of its all-gather buffer
     (and its own shard in), and copies the unsharded gradients into its reduce-scatter
     input; it does both on a one-rank group too, plus an output copy in place of the
-    reduce-scatter. Lins then adds the result into the G buffer, after packing and
-    reduce-scattering it when G is sharded finer than P. At the step Lins packs the G
+    reduce-scatter; with hpZ it keeps a 1/k shard after forward and re-gathers from it.
+    Lins then adds the result into the G buffer, after packing and reduce-scattering it
+    when G is sharded finer than P. At the step Lins packs the G
     buffer for the OS reduction, divides, packs the updated masters for each gather
     level, copies the result into FSDP2's shards and zeroes the G buffer. Small next to
     a GPU's compute; a large share of a step on CPUs emulating a cluster.
@@ -276,8 +277,13 @@ def local_copy_bytes(
             backward += 3 * p_numel * reduce_bytes
         else:
             backward += 2 * p_numel * reduce_bytes + 3 * g_numel * reduce_bytes
-        if not unit.is_root and hpz is not False:
+        if not unit.is_root and hpz is True:
             backward += unshard
+        elif not unit.is_root and hpz is not False:
+            # hpZ keeps a 1/k shard after forward (a copy) and re-gathers from it.
+            post_forward = 2 * (full // hpz) * param_bytes
+            copies[Phase.FORWARD.value] += m * post_forward
+            backward += 2 * full * param_bytes + post_forward
         copies[Phase.BACKWARD.value] += m * backward
         step = 2 * g_numel * reduce_bytes + 2 * os_numel * reduce_bytes + g_numel * reduce_bytes
         if reduce_bytes != master_bytes:

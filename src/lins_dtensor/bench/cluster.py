@@ -350,29 +350,28 @@ def link_bytes(records) -> dict:
 
 
 # ----- calibration and the planner ---------------------------------------------------------------
-def calibrate(args, rank: int, world: int) -> dict:
+def calibrate(args, rank: int, world: int, rpn: int) -> dict:
     """This machine as the planner sees it, measured while every rank does the same work
     (no communication): the compute rate (forward + backward of one micro-batch), the
     optimizer rate (an AdamW step over the whole model), the copy rate (a model-sized
-    copy), and the host time FSDP2 adds per unit (the same forward + backward with every
-    unit under ``fully_shard`` on a one-rank group, less the copies the planner counts)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    copy), and the host time the runtime adds per unit (the same forward + backward
+    under ``apply_lins`` with the ddp plan, whose P and G are replicated so that nothing
+    is communicated before the step, less the copies the planner counts for it)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from lins_dtensor import LinsPlan
+    from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh
     from lins_dtensor.planner.cost import model_flops_per_token
     from lins_dtensor.planner.memory import rank0_units
     from lins_dtensor.planner.models import model_from_module
-    from lins_dtensor.runtime import default_units
     from lins_dtensor.schedule import local_copy_bytes
 
     ma = MODEL_SIZES[args.model]
     model, sharded = build_model(args.model), build_model(args.model)
     spec = model_from_module(model, name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    one_rank = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))["shard"]
-    for unit in [*default_units(sharded), sharded]:
-        fully_shard(unit, mesh=one_rank)
+    replicated = LinsPlan.parse("ddp", world)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    apply_lins(sharded, build_lins_mesh(replicated, ranks_per_node=rpn, device_type="cpu"), mp_policy=fp32)
     numel = sum(p.numel() for p in model.parameters())
     src, dst = torch.randn(numel), torch.empty(numel)
 
@@ -385,32 +384,31 @@ def calibrate(args, rank: int, world: int) -> dict:
     def forward_backward(net: nn.Module, i: int):
         return lambda: loss_fn(net, batch(99, rank, i, ma.vocab_size, args.seq_len, args.batch_size)).backward()
 
-    samples: dict[str, list[float]] = {"plain": [], "step": [], "copy": [], "fsdp": []}
+    samples: dict[str, list[float]] = {"plain": [], "step": [], "copy": [], "lins": []}
     for i in range(4):
         plain = timed(forward_backward(model, i))
         step = timed(opt.step)
         opt.zero_grad(set_to_none=True)
         copy = timed(lambda: dst.copy_(src))
-        fsdp = timed(forward_backward(sharded, i))
+        lins = timed(forward_backward(sharded, i))
         sharded.zero_grad(set_to_none=True)
         if i:  # the first round warms allocators and caches
-            for key, value in zip(samples, (plain, step, copy, fsdp)):
+            for key, value in zip(samples, (plain, step, copy, lins)):
                 samples[key].append(value)
     worst = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    fb_s, step_s, copy_s, fsdp_s = (float(v) for v in worst)
+    fb_s, step_s, copy_s, lins_s = (float(v) for v in worst)
     flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
     copy_bytes_per_s = 2 * numel * 4 / copy_s
-    replicated = LinsPlan.parse("ddp", 1)
     units = rank0_units(spec, replicated)
     copies = local_copy_bytes(replicated, units, microbatches=1, param_bytes=4, reduce_bytes=4)
     copies = copies["forward"] + copies["backward"]
-    overhead = fsdp_s - fb_s - copies / copy_bytes_per_s
+    overhead = lins_s - fb_s - copies / copy_bytes_per_s
     return {
         "forward_backward_s": fb_s,
         "optimizer_step_s": step_s,
         "copy_s": copy_s,
-        "fsdp_forward_backward_s": fsdp_s,
+        "lins_forward_backward_s": lins_s,
         "flops_per_microbatch": flops,
         "flops_per_s": flops / fb_s,
         # The planner's optimizer model: numel * (2 * 4 * (1 + 2) + 4) bytes at hbm_bw.
@@ -477,7 +475,8 @@ class Planning:
         """The planner's cost of ``plan_text``; ``extra_backward_all_reduce`` adds stock
         HSDP's all-reduce of every micro-batch but the last (the Lins plan hsdp:k has
         it once per step) to the backward collectives the planner times and hides;
-        ``fsdp_hooks=False`` drops FSDP2's host time per unit (DDP has no units)."""
+        ``fsdp_hooks=False`` drops the host time per unit and the local copies of FSDP2 and
+        Lins (DDP has neither; its own bucket copies are not modelled)."""
         from lins_dtensor import LinsPlan
         from lins_dtensor.planner import evaluate
         from lins_dtensor.planner.bandwidth import CollectiveTimer
@@ -487,7 +486,8 @@ class Planning:
         plan = LinsPlan.parse(plan_text, self.world)
         cluster, training = self.cluster(None), self.training(microbatches, overlap_fraction)
         if not fsdp_hooks:
-            cluster = dataclasses.replace(cluster, hardware=dataclasses.replace(cluster.hardware, unit_overhead_s=0.0))
+            no_fsdp = dataclasses.replace(cluster.hardware, unit_overhead_s=0.0, copy_bw=math.inf)
+            cluster = dataclasses.replace(cluster, hardware=no_fsdp)
         timer = CollectiveTimer(cluster.hardware, self.rpn, self.table)
         extra = []
         if extra_backward_all_reduce and microbatches > 1:
@@ -511,7 +511,7 @@ class Planning:
 class Equivalent(NamedTuple):
     plan: str
     extra_all_reduce: bool  # stock HSDP: an all-reduce on every micro-batch, not once per step
-    fsdp_hooks: bool  # runs FSDP2's per-unit hooks (the calibrated host time per unit)
+    fsdp_hooks: bool  # runs FSDP2's per-unit hooks and copies (the calibrated host time, local_copy_bytes)
     note: str
 
 
@@ -521,8 +521,8 @@ def equivalent_plan(strategy: str, rpn: int) -> Equivalent:
         "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} plus the all-reduce of micro-batches 1..M-1"),
         "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} (same collectives)"),
         "hpz": Equivalent(f"hpz:{rpn}", False, True, f"costed as hpz:{rpn}"),
-        "ddp": Equivalent("ddp", False, False, "costed as Lins ddp without FSDP2's per-unit host time (one all-reduce per "
-                          "step, exposed; DDP overlaps it with backward)"),
+        "ddp": Equivalent("ddp", False, False, "costed as Lins ddp without FSDP2's per-unit host time and copies (one "
+                          "all-reduce per step, exposed; DDP overlaps it with backward)"),
         "lins-fsdp": Equivalent("fsdp", False, True, ""),
         "lins-zero1": Equivalent("zero1", False, True, ""),
         "lins-zero2": Equivalent("zero2", False, True, ""),
@@ -596,10 +596,10 @@ def run(args) -> int:
     log(rank, f"world {world} = {world // rpn} nodes x {rpn}; model {args.model} ({ma.num_params() / 1e6:.2f} M params), "
         f"seq {args.seq_len} x {args.batch_size} per micro-batch, M in {args.microbatches}")
 
-    calib = calibrate(args, rank, world)
+    calib = calibrate(args, rank, world, rpn)
     log(rank, f"calibration: fwd+bwd {calib['forward_backward_s']:.3f} s/micro-batch -> {calib['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; "
         f"AdamW step {calib['optimizer_step_s']:.3f} s; copies {calib['copy_bytes_per_s'] / 1e9:.2f} GB/s; "
-        f"FSDP2 on one rank {calib['fsdp_forward_backward_s']:.3f} s/micro-batch -> {calib['unit_overhead_s'] * 1e3:.1f} ms per unit")
+        f"Lins ddp plan {calib['lins_forward_backward_s']:.3f} s/micro-batch -> {calib['unit_overhead_s'] * 1e3:.1f} ms per unit")
     hw = dc.replace(
         hardware_preset("cpu-emulated"), name="cpu-emulated (calibrated)", ranks_per_node=rpn,
         peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"], copy_bw=calib["copy_bytes_per_s"],

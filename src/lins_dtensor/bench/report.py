@@ -159,9 +159,9 @@ def markdown(result: dict) -> str:
         f"Calibration (all ranks computing at once): {meta['calibration']['forward_backward_s']:.3f} s forward+backward per "
         f"micro-batch = {meta['calibration']['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; AdamW over the whole model "
         f"{meta['calibration']['optimizer_step_s']:.3f} s; a model-sized copy {meta['calibration']['copy_s']:.3f} s "
-        f"({meta['calibration']['copy_bytes_per_s'] / 1e9:.2f} GB/s read + written); forward+backward with every unit under "
-        f"fully_shard on a one-rank group {meta['calibration']['fsdp_forward_backward_s']:.3f} s, i.e. "
-        f"{meta['calibration']['unit_overhead_s'] * 1e3:.1f} ms of FSDP2 host time per unit and micro-batch beyond its copies.",
+        f"({meta['calibration']['copy_bytes_per_s'] / 1e9:.2f} GB/s read + written); forward+backward under apply_lins with "
+        f"the ddp plan (no communication before the step) {meta['calibration']['lins_forward_backward_s']:.3f} s, i.e. "
+        f"{meta['calibration']['unit_overhead_s'] * 1e3:.1f} ms of host time per unit and micro-batch beyond its copies.",
         "",
         "Planner choices:",
         "",

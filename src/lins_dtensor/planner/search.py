@@ -127,11 +127,13 @@ def explain_winner(win: PlanCost, baselines: list[Baseline]) -> str:
 
 def pick_winner(ranked: list[PlanCost], tie_tolerance: float) -> PlanCost:
     """The fastest plan, except that among plans predicted within ``tie_tolerance`` of it
-    the one sending the fewest inter-node bytes wins: the model is least sure about the
-    slow shared network, so a near-tie is settled in favour of staying off it."""
+    the one sending the fewest inter-node bytes wins, then the fewest intra-node bytes:
+    the model is least sure about communication (how much of it hides, how links are
+    shared), most of all on the slow shared network, so a near-tie is settled in favour
+    of communicating less. Memory, then time, settle what is left."""
     limit = ranked[0].step_s * (1 + tie_tolerance)
     near = [c for c in ranked if c.step_s <= limit]
-    return min(near, key=lambda c: (round(c.link_bytes("inter") / 1e6), c.memory.peak, c.step_s))
+    return min(near, key=lambda c: (round(c.link_bytes("inter") / 1e6), round(c.link_bytes("intra") / 1e6), c.memory.peak, c.step_s))
 
 
 def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *, tie_tolerance: float = 0.02, **module_hints) -> Explanation:
