@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lins_dtensor.bench.model import MODEL_SIZES, batch, build_model, loss_fn
 
@@ -102,14 +103,10 @@ class Built:
     microbatch_context: object = None  # callable(mb, M) -> context manager
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _nbytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    t = _local(t)
+    t = t.to_local() if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
 
 
@@ -122,6 +119,21 @@ def _torch_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> di
         "grads": sum(_nbytes(p.grad) for p in params),
         "optim": optimizer_state_bytes(optimizer),
     }
+
+
+def _torch_built(trained: nn.Module, model: nn.Module, recorder, microbatch_context=None) -> Built:
+    """A torch-native strategy (FSDP2 family, DDP): AdamW and torch's clipping over the
+    parameters of ``model``, trained through ``trained`` (the model or its wrapper)."""
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
+    return Built(
+        trained, opt,
+        clip=lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
+        records=lambda: recorder.last_step,
+        end_step=recorder.end_step,
+        state_bytes=lambda: _torch_state_bytes(model, opt),
+        microbatch_context=microbatch_context,
+    )
 
 
 class Strategies:
@@ -196,9 +208,6 @@ class Strategies:
             if kind in ("hsdp", "hsdp-deferred"):
                 group = mesh.get_group("replicate")
                 m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out, 0.0))
-        params = [p for p in model.parameters()]
-        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
-
         context = None
         if kind == "hsdp-deferred":
             @contextlib.contextmanager
@@ -206,14 +215,7 @@ class Strategies:
                 model.set_requires_all_reduce(mb == m_total - 1)
                 yield
 
-        return Built(
-            model, opt,
-            clip=lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
-            records=lambda: recorder.last_step,
-            end_step=recorder.end_step,
-            state_bytes=lambda: _torch_state_bytes(model, opt),
-            microbatch_context=context,
-        )
+        return _torch_built(model, model, recorder, context)
 
     # ----- DDP ----------------------------------------------------------------------------------
     def ddp(self) -> Built:
@@ -232,20 +234,11 @@ class Strategies:
 
         ddp = nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(None, hook)
-        params = [p for p in model.parameters()]
-        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
 
         def context(mb: int, m_total: int):
             return ddp.no_sync() if mb < m_total - 1 else contextlib.nullcontext()
 
-        return Built(
-            ddp, opt,
-            clip=lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
-            records=lambda: recorder.last_step,
-            end_step=recorder.end_step,
-            state_bytes=lambda: _torch_state_bytes(model, opt),
-            microbatch_context=context,
-        )
+        return _torch_built(ddp, model, recorder, context)
 
 
 # ----- measuring ---------------------------------------------------------------------------------
@@ -275,8 +268,10 @@ class Instance:
         self.state_bytes: dict[int, dict] = {}
         self.losses: dict[int, float] = {}
 
-    def step(self, microbatches: int) -> float:
-        """One optimizer step; returns the slowest rank's wall time."""
+    def step(self, microbatches: int, measure_states: bool = False) -> float:
+        """One optimizer step; returns the slowest rank's wall time. ``measure_states``
+        reads the model-state bytes after the optimizer (warm-up steps only, so that the
+        timed steps do no accounting)."""
         ma = MODEL_SIZES[self.args.model]
         b = self.built
         dist.barrier()
@@ -289,7 +284,8 @@ class Instance:
                 loss.backward()
         b.clip()
         b.optimizer.step()
-        self.state_bytes[microbatches] = b.state_bytes()
+        if measure_states:
+            self.state_bytes[microbatches] = b.state_bytes()
         b.optimizer.zero_grad(set_to_none=True)
         b.end_step()
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
@@ -305,7 +301,7 @@ class Instance:
         before = _status_kib("VmRSS")
         reset = _reset_peak()
         for _ in range(steps):
-            self.step(microbatches)
+            self.step(microbatches, measure_states=True)
         self.transient_bytes[microbatches] = (_status_kib("VmHWM") - before) * 1024 if reset and steps else None
         self.times[microbatches] = []
 
@@ -581,8 +577,6 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    import dataclasses as dc
-
     from lins_dtensor.planner import hardware_preset
     from lins_dtensor.planner.bandwidth import BandwidthTable
     from lins_dtensor.planner.models import model_from_module
@@ -600,7 +594,7 @@ def run(args) -> int:
     log(rank, f"calibration: fwd+bwd {calib['forward_backward_s']:.3f} s/micro-batch -> {calib['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; "
         f"AdamW step {calib['optimizer_step_s']:.3f} s; copies {calib['copy_bytes_per_s'] / 1e9:.2f} GB/s; "
         f"Lins ddp plan {calib['lins_forward_backward_s']:.3f} s/micro-batch -> {calib['unit_overhead_s'] * 1e3:.1f} ms per unit")
-    hw = dc.replace(
+    hw = dataclasses.replace(
         hardware_preset("cpu-emulated"), name="cpu-emulated (calibrated)", ranks_per_node=rpn,
         peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"], copy_bw=calib["copy_bytes_per_s"],
         unit_overhead_s=calib["unit_overhead_s"],
@@ -622,6 +616,7 @@ def run(args) -> int:
 
     # Rows to report per M: (strategy, label, plan text or None, instance key).
     plan_of = {}
+    chosen_for: dict[tuple[int, str], list[str]] = {}  # (M, plan) -> the budget labels it was picked for
     wanted: dict[int, list[tuple[str, str, str | None, str]]] = {}
     for m in args.microbatches:
         rows_m = []
@@ -631,8 +626,8 @@ def run(args) -> int:
                 plan = choices[(m, lb)]["plan"]
                 if plan and plan not in seen:
                     seen.add(plan)
-                    chosen_by = [lb for (mm, lb), c in choices.items() if mm == m and c["plan"] == plan]
-                    rows_m.append(("lins-planner", f"Lins planner [{', '.join(chosen_by)}]", plan, f"lins:{plan}"))
+                    chosen_for[(m, plan)] = [lb for (mm, lb), c in choices.items() if mm == m and c["plan"] == plan]
+                    rows_m.append(("lins-planner", f"Lins planner [{', '.join(chosen_for[(m, plan)])}]", plan, f"lins:{plan}"))
         for s in args.strategies:
             if s == "lins-planner" or (s == "hsdp-deferred" and m == 1):
                 continue  # hsdp-deferred is hsdp itself with one micro-batch
@@ -714,7 +709,7 @@ def run(args) -> int:
                 reused = any(r_["microbatches"] == m and r_["instance"] == key for r_ in rows)
                 rows.append(make_row(name, label, plan, m, result, gathered, pred, note, reused, args, world, budgets, key))
                 if name == "lins-planner":
-                    rows[-1]["chosen_for"] = [lb for (mm, lb), c in choices.items() if mm == m and c["plan"] == plan]
+                    rows[-1]["chosen_for"] = chosen_for[(m, plan)]
             times = summarize_times(result["times"])
             log(rank, f"M={m} {label:60.60s} {plan or '':22s} median {times['median']:.3f} s [{times['min']:.3f}, {times['max']:.3f}]")
         done.append(m)

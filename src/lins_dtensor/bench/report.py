@@ -18,7 +18,7 @@ METHODS = {
                    "activations, gathered parameters, communication buffers and allocator slack",
     "model_state_bytes": "persistent bytes of parameters, gradients and optimizer states on the live tensors "
                          "(Lins: lins_stats(model).memory_bytes; others: local parameter / gradient shards + AdamW states), "
-                         "after the last optimizer step",
+                         "after the optimizer step of the last warm-up step (timed steps do no accounting)",
     "bytes": "per rank, over the last step, counted when issued: Lins by its recorder (lins_stats); FSDP2/HSDP/hpZ by "
              "LinsAllGather/LinsReduceScatter via set_custom_all_gather/set_custom_reduce_scatter and HSDP's all-reduce "
              "via set_all_reduce_hook; DDP by a recording comm hook. 'message' = collective message sizes on groups "
@@ -62,35 +62,34 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return cov / (vx * vy) if vx and vy else None
 
 
+def _accuracy(rows: list[dict], errors: bool = True) -> dict:
+    """Spearman rank correlation (and mean |error|) of both predictions against the medians."""
+    measured = [r["step_time_s"]["median"] for r in rows]
+    out: dict = {"n": len(rows)}
+    for suffix in ("", "_reference"):
+        out["spearman" + suffix] = spearman([r["predicted"]["step_s" + suffix] for r in rows], measured)
+        if errors:
+            out["mean_abs_error" + suffix] = sum(abs(r["prediction_error" + suffix]) for r in rows) / len(rows) if rows else None
+    return out
+
+
 def assemble(meta: dict, rows: list[dict]) -> dict:
     for r in rows:
-        measured, predicted = r["step_time_s"]["median"], r["predicted"]["step_s"]
-        r["prediction_error"] = (predicted - measured) / measured
-        r["prediction_error_reference"] = (r["predicted"]["step_s_reference"] - measured) / measured
+        measured = r["step_time_s"]["median"]
+        for suffix in ("", "_reference"):
+            r["prediction_error" + suffix] = (r["predicted"]["step_s" + suffix] - measured) / measured
     ms = sorted({r["microbatches"] for r in rows})
     correlation, comparisons = {}, {}
     for m in ms:
-        unique = [r for r in rows if r["microbatches"] == m and not r["reused_measurement"]]
-        correlation[f"M={m}"] = {
-            "spearman": spearman([r["predicted"]["step_s"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
-            "n": len(unique),
-            "mean_abs_error": sum(abs(r["prediction_error"]) for r in unique) / len(unique) if unique else None,
-            "spearman_reference": spearman([r["predicted"]["step_s_reference"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
-            "mean_abs_error_reference": sum(abs(r["prediction_error_reference"]) for r in unique) / len(unique) if unique else None,
-        }
+        correlation[f"M={m}"] = _accuracy([r for r in rows if r["microbatches"] == m and not r["reused_measurement"]])
         comparisons[f"M={m}"] = compare([r for r in rows if r["microbatches"] == m])
-    unique = [r for r in rows if not r["reused_measurement"]]
-    correlation["all"] = {
-        "spearman": spearman([r["predicted"]["step_s"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
-        "n": len(unique),
-        "spearman_reference": spearman([r["predicted"]["step_s_reference"] for r in unique], [r["step_time_s"]["median"] for r in unique]),
-    }
+    correlation["all"] = _accuracy([r for r in rows if not r["reused_measurement"]], errors=False)
     return {"meta": meta, "strategies": rows, "rank_correlation": correlation, "comparisons": comparisons}
 
 
-def _median(rows, strategy):
+def _median(rows, strategy) -> float | None:
     found = [r for r in rows if r["strategy"] == strategy]
-    return (found[0]["step_time_s"]["median"], found[0]) if found else (None, None)
+    return found[0]["step_time_s"]["median"] if found else None
 
 
 def _plan_budget(row: dict) -> str | None:
@@ -102,8 +101,8 @@ def _plan_budget(row: dict) -> str | None:
 
 def compare(rows: list[dict]) -> dict:
     out: dict = {}
-    lins_fsdp, _ = _median(rows, "lins-fsdp")
-    stock, _ = _median(rows, "fsdp2")
+    lins_fsdp = _median(rows, "lins-fsdp")
+    stock = _median(rows, "fsdp2")
     if lins_fsdp and stock:
         out["lins_fsdp_over_fsdp2"] = lins_fsdp / stock
         out["lins_fsdp_within_3pct"] = abs(lins_fsdp / stock - 1) <= 0.03
