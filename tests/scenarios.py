@@ -36,6 +36,11 @@ def reference(world_size: int, microbatches: int, steps: int, model_kwargs: dict
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole value of a parameter: FSDP2's are sharded DTensors, replicated ones plain."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+
+
 def _record_key(r):
     return (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes)
 
@@ -83,7 +88,7 @@ def train_lins(configs: list[dict]) -> list[dict]:
         per_rank = [None] * world
         dist.all_gather_object(per_rank, mine)
         masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
-        params = {n: p.full_tensor().float() for n, p in model.named_parameters() if hasattr(p, "full_tensor")}
+        params = {n: _full(p).float() for n, p in model.named_parameters() if p.requires_grad}
         results.append({
             "config": cfg,
             "masters": masters,
@@ -124,7 +129,7 @@ def train_fsdp(configs: list[dict]) -> list[dict]:
             m.set_force_sum_reduction_for_comms(True)
             if shard != world and any(True for _ in m.parameters(recurse=False)) or (m is not model and shard != world):
                 group = mesh.get_group("replicate")
-                m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out, 0.0))
+                m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _optimizer(params)
         mbs = cfg["microbatches"]

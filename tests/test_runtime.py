@@ -27,10 +27,14 @@ def test_every_world4_plan_matches_fp32_reference(world4_runs, references):
 
 @pytest.mark.slow
 def test_world8_plans_match_fp32_reference(world8_runs, references):
+    # At world 8 the summation order of 8 ranks' gradients leaves stock FSDP2 itself
+    # 1.2e-5 from the single-process reference on one weight after 3 AdamW steps with
+    # M = 3 (Adam divides by a small second moment there); Lins' fsdp plan is bitwise
+    # equal to stock FSDP2. A wrong reduction is off by 1e-3 or more.
     for run in world8_runs:
         cfg = run["config"]
         err = worst_rel_err(run["masters"], references[(8, cfg["microbatches"])])
-        assert err < 1e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
+        assert err < 3e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
 
 
 def test_reduce_in_backward_matches_reference_and_bytes(overlap_runs, references):

@@ -103,8 +103,10 @@ def _one_unit(plan: LinsPlan, rows: int = 64, cols: int = 32) -> list:
 
 
 def test_local_copies_follow_the_runtime_paths():
-    """FSDP2 copies around every gather and reduce-scatter (also on a one-rank group),
-    per micro-batch; the step's packing happens once, whatever M is."""
+    """With P sharded, FSDP2 copies around every gather and reduce-scatter, per
+    micro-batch; with P replicated there is no FSDP2 and no copy in forward. The first
+    micro-batch copies its gradient into G, later ones add; the step divides, and
+    writes the update into P."""
     from lins_dtensor.schedule import local_copy_bytes
 
     n, full, b = 8, 64 * 32, 4
@@ -116,19 +118,24 @@ def test_local_copies_follow_the_runtime_paths():
     fsdp = copies("p=8,g=8,os=8", 2)
     # copy-out of the gathered unit plus copy-in of the shard, forward and backward re-gather
     assert fsdp["forward"] == 2 * (2 * full + 2 * full // 8) * b
-    # reduce-scatter copy-in, accumulation into G (read 2, write 1), the re-gather
-    assert fsdp["backward"] == 2 * (2 * full + 3 * full // 8 + 2 * full + 2 * full // 8) * b
-    # pack G, divide, zero G, copy the update into FSDP2's shard
-    assert fsdp["step"] == (2 + 2 + 1 + 2) * full // 8 * b
+    # per micro-batch: reduce-scatter copy-in and the re-gather; then G: copy (read 1,
+    # write 1), add (read 2, write 1); the OS layout is the G buffer itself: no pack
+    assert fsdp["backward"] == (2 * (2 * full + 2 * full + 2 * full // 8) + (2 + 3) * full // 8) * b
+    # divide the OS gradient, copy the update into FSDP2's shard
+    assert fsdp["step"] == (2 + 2) * full // 8 * b
 
     replicated = copies("p=1,g=1,os=8", 1)
-    assert replicated["forward"] == 2 * full * b  # FSDP2 copies the shard even on one rank
-    assert replicated["backward"] > fsdp["backward"] / 2  # plus the one-rank reduce-scatter's output copy
+    assert replicated["forward"] == 0  # no FSDP2 where nothing is gathered
+    # gradient into G, then G packed for the OS reduce-scatter (read G, write the 8 chunks)
+    assert replicated["backward"] == (2 * full + 2 * full) * b
+    assert replicated["step"] == (2 * full // 8 + 2 * full) * b  # divide, write the update into P
 
     one, four = copies("p=2,g=4,os=8", 1), copies("p=2,g=4,os=8", 4)
-    assert four["forward"] == 4 * one["forward"] and four["backward"] == 4 * one["backward"]
-    assert four["step"] == one["step"]
-
+    assert four["forward"] == 4 * one["forward"] and four["step"] == one["step"]
+    # three more micro-batches: FSDP2's copy-in and re-gather, the pack for the G
+    # reduce-scatter (read the P shard, write the 2 G chunks), the add of its output
+    p_shard, g_chunk = full // 2, full // 4
+    assert four["backward"] - one["backward"] == 3 * (2 * full + (2 * full + 2 * p_shard) + (p_shard + 2 * g_chunk) + 3 * g_chunk) * b
 
 
 def test_local_copies_of_hpz_regather_from_the_post_forward_shard():
@@ -139,4 +146,21 @@ def test_local_copies_of_hpz_regather_from_the_post_forward_shard():
     hpz = local_copy_bytes(plan, _one_unit(plan), microbatches=1, param_bytes=b, reduce_bytes=b, master_bytes=b)
     shard = 2 * (full // 4) * b
     assert hpz["forward"] == (2 * full + 2 * full // 8) * b + shard  # gather, then keep a 1/4 shard
-    assert hpz["backward"] == (2 * full + 3 * full // 8) * b + 2 * full * b + shard  # re-gather from it
+    assert hpz["backward"] == (2 * full + 2 * full // 8) * b + 2 * full * b + shard  # re-gather from it
+
+
+def test_chain_buffers_are_what_the_chains_allocate():
+    """Transient bytes per chain: packed inputs and gathered outputs, none where a
+    level is one rank wide or the OS layout is the G chunk itself."""
+    from lins_dtensor.schedule import chain_buffer_bytes
+
+    full, b = 64 * 32, 4
+    for text, expected in [
+        ("p=8,g=8,os=8", {"grads": 0, "optim": 0, "update": 0}),
+        ("p=1,g=1,os=8", {"grads": 0, "optim": full * b, "update": full * b}),
+        ("p=1,g=2,os=8", {"grads": (full + full // 2) * b, "optim": full // 2 * b, "update": (full // 2 + full // 2 + full) * b}),
+        ("p=1,g=8,os=8", {"grads": (full + full // 8) * b, "optim": 0, "update": full * b}),
+    ]:
+        plan = LinsPlan.parse(text, 8)
+        geometry = _one_unit(plan)[0].geometry
+        assert chain_buffer_bytes(geometry, param_bytes=b, reduce_bytes=b, master_bytes=b) == expected, text

@@ -3,7 +3,13 @@
 from lins_dtensor.mesh import LinsMesh, build_lins_mesh
 from lins_dtensor.optimizer import clip_grad_norm_, lins_optimizer
 from lins_dtensor.plan import LinsPlan, LinsPlanError, valid_plans
-from lins_dtensor.runtime import apply_lins, set_reduce_in_backward
+from lins_dtensor.runtime import (
+    apply_lins,
+    set_gradient_accumulation_steps,
+    set_reduce_in_backward,
+    set_requires_gradient_sync,
+    wait_for_updates,
+)
 from lins_dtensor.stats import LinsStats, lins_stats
 
 __all__ = [
@@ -16,6 +22,9 @@ __all__ = [
     "clip_grad_norm_",
     "lins_optimizer",
     "lins_stats",
+    "set_gradient_accumulation_steps",
     "set_reduce_in_backward",
+    "set_requires_gradient_sync",
     "valid_plans",
+    "wait_for_updates",
 ]

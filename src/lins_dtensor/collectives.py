@@ -1,48 +1,101 @@
-"""Every collective Lins issues, and the record of each one.
+"""Every collective Lins issues, the record of each one, and the stream it runs on.
 
 All communication of the runtime goes through the functions here: FSDP2's own
 parameter all-gather and gradient reduce-scatter come in through its documented
 extension points (:class:`LinsAllGather`, :class:`LinsReduceScatter`), and the
-gradient, optimizer and update collectives that FSDP2 cannot express are issued by
-:func:`all_gather`, :func:`reduce_scatter` and :func:`all_reduce`. Each call is
-recorded with its :class:`~lins_dtensor.schedule.CollectiveSpec`, so the accounting
-(:func:`lins_dtensor.lins_stats`) sees exactly what went on the wire, and each runs
-inside a profiler range ``lins::<name>``.
+gradient, optimizer and update collectives that FSDP2 cannot express are started by
+:func:`start_all_gather`, :func:`start_reduce_scatter` and :func:`start_all_reduce`,
+always asynchronously: each returns a :class:`Flight` that the executor
+(:mod:`lins_dtensor.executor`) joins where the result is needed. Each call is recorded
+with its :class:`~lins_dtensor.schedule.CollectiveSpec`, so the accounting
+(:func:`lins_dtensor.lins_stats`) sees exactly what went on the wire, with a
+:class:`CommTiming` that says how long it ran and how much of that a consumer waited
+for (exposed) rather than spent computing (hidden). Each runs inside a profiler range
+``lins::<name>``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 
 import torch
 import torch.distributed as dist
-# Not re-exported by torch.distributed.fsdp; the module FSDP2 defines them in.
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.profiler import record_function
 
-from lins_dtensor.schedule import (
-    GRAD_REDUCE_SCATTER,
-    PARAM_ALL_GATHER,
-    PARAM_REGATHER,
-    CollectiveRecord,
-    CollectiveSpec,
-)
+from lins_dtensor.compat import AllGather, ReduceScatter, in_backward
+from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, PARAM_REGATHER, CollectiveRecord, CollectiveSpec
+
+
+@dataclasses.dataclass(eq=False)
+class CommTiming:
+    """How long one collective took and how much of it was exposed.
+
+    On CPU (gloo) ``seconds`` runs from the call to the completion gloo reports, and
+    ``exposed`` is the host time spent blocked on it. On an accelerator both come from
+    events: on the Lins side stream before the call and after the stream has waited for
+    it, and on the consumer's stream when it needed the result; they are read once the
+    events have completed (:meth:`resolve`). ``exposed`` is ``None`` where it is not
+    measured: FSDP2's asynchronous collectives, waited for inside FSDP2.
+    """
+
+    name: str
+    state: str
+    started_at: float
+    finished_at: float | None = None
+    exposed: float | None = 0.0
+    start_event: object = None
+    end_event: object = None
+    need_event: object = None
+
+    @property
+    def seconds(self) -> float | None:
+        self.resolve()
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    @property
+    def hidden(self) -> float | None:
+        total = self.seconds
+        return None if total is None or self.exposed is None else max(0.0, total - self.exposed)
+
+    def mark_finished(self) -> None:
+        if self.finished_at is None:
+            self.finished_at = time.perf_counter()
+
+    def resolve(self) -> None:
+        """Turn device events into seconds (blocks until they have completed)."""
+        if self.start_event is None or self.end_event is None:
+            return
+        self.end_event.synchronize()
+        self.finished_at = self.started_at + self.start_event.elapsed_time(self.end_event) / 1e3
+        if self.need_event is not None:
+            self.exposed = max(0.0, self.need_event.elapsed_time(self.end_event) / 1e3)
+        self.start_event = self.end_event = self.need_event = None
 
 
 class CommRecorder:
-    """Collects the records of one optimizer step; ``last_step`` holds the previous one.
+    """The record of every collective, by the optimizer step it belongs to.
 
-    ``seconds`` is host wall time spent inside the calls; with asynchronous backends
-    (NCCL) it measures launch time only, on gloo it is the time to completion.
-    """
+    A collective belongs to the step whose work submitted it, even when it is issued
+    later (an update gather still queued when the next step begins): callers pass the
+    step they captured at submission. ``last_step`` is complete once nothing of that
+    step is in flight any more (``lins_stats`` waits for that)."""
 
     def __init__(self, ranks_per_node: int) -> None:
         self.ranks_per_node = ranks_per_node
-        self.current: list[CollectiveRecord] = []
-        self.last_step: list[CollectiveRecord] = []
-        self.seconds = 0.0
-        self.last_step_seconds = 0.0
+        self.step = 0  # steps ended so far: the index of the running one
+        self._records: dict[int, list[CollectiveRecord]] = {0: []}
+        self._timings: dict[int, list[CommTiming]] = {0: []}
         self._group_info: dict[int, tuple[int, int]] = {}
+
+    @property
+    def last_step(self) -> list[CollectiveRecord]:
+        return self._records.get(self.step - 1, [])
+
+    @property
+    def last_step_timing(self) -> list[CommTiming]:
+        return self._timings.get(self.step - 1, [])
 
     def _describe(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
         key = id(group)
@@ -51,44 +104,177 @@ class CommRecorder:
             self._group_info[key] = (len(ranks), len({r // self.ranks_per_node for r in ranks}))
         return self._group_info[key]
 
-    def record(self, spec: CollectiveSpec, group: dist.ProcessGroup | None, message: torch.Tensor, seconds: float) -> None:
+    def record(self, spec: CollectiveSpec, group: dist.ProcessGroup | None, message: torch.Tensor, step: int | None = None) -> CommTiming:
+        step = self.step if step is None else step
         size, nodes = self._describe(group)
         nbytes = message.numel() * message.element_size()
-        self.current.append(CollectiveRecord(spec.name, spec.state, spec.op, size, nodes, nbytes))
-        self.seconds += seconds
+        timing = CommTiming(spec.name, spec.state, time.perf_counter())
+        if step in self._records:  # else: a step already dropped (two steps back)
+            self._records[step].append(CollectiveRecord(spec.name, spec.state, spec.op, size, nodes, nbytes))
+            self._timings[step].append(timing)
+        return timing
 
     def end_step(self) -> None:
-        self.last_step, self.current = self.current, []
-        self.last_step_seconds, self.seconds = self.seconds, 0.0
+        self.step += 1
+        self._records[self.step], self._timings[self.step] = [], []
+        for old in [s for s in self._records if s < self.step - 1]:
+            del self._records[old], self._timings[old]
 
 
-def _timed(recorder: CommRecorder, spec: CollectiveSpec, group, message: torch.Tensor, fn, async_op: bool):
+class CommStream:
+    """Where Lins' own communication work runs.
+
+    On an accelerator: one side stream per model, on which Lins packs and unpacks
+    buffers, issues its collectives (c10d's NCCL stream waits for it at each call) and
+    waits for them; consumers on other streams wait for its events. One stream keeps
+    the buffer lifetimes simple; its price is that the collectives of different chains
+    run one after another on it. On CPU there are no streams: gloo runs asynchronous
+    collectives on its own threads and the host orders what follows by waiting on work
+    handles.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.module = None if device.type == "cpu" else torch.get_device_module(device.type)
+        self.stream = self.module.Stream(device) if self.module is not None else None
+
+    @property
+    def on_device(self) -> bool:
+        return self.stream is not None
+
+    def scope(self):
+        """Run what follows on the side stream (nothing to do on CPU)."""
+        return self.module.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _event(self, stream) -> object:
+        event = self.module.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def event_on_current(self) -> object:
+        """An event on the caller's current stream (None on CPU)."""
+        return None if self.module is None else self._event(self.module.current_stream(self.device))
+
+    def event_on_side(self) -> object:
+        return None if self.stream is None else self._event(self.stream)
+
+    def side_waits(self, event: object) -> None:
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+    def current_waits(self, event: object) -> None:
+        if self.module is not None and event is not None:
+            self.module.current_stream(self.device).wait_event(event)
+
+    def use_on_side(self, *tensors: torch.Tensor) -> None:
+        """Tensors allocated on another stream and read or written on the side stream:
+        the caching allocator must not hand their memory out again before the side
+        stream is past its work on them."""
+        if self.stream is not None:
+            for t in tensors:
+                t.record_stream(self.stream)
+
+    def use_on_current(self, *tensors: torch.Tensor) -> None:
+        """Tensors allocated on the side stream and kept by the caller's stream."""
+        if self.module is not None:
+            current = self.module.current_stream(self.device)
+            for t in tensors:
+                t.record_stream(current)
+
+
+class Flight:
+    """One asynchronous collective: its work handle and its timing. The tensors it
+    reads and writes are held by whoever started it until it is joined (and, with
+    NCCL, by c10d until its work is waited on)."""
+
+    def __init__(self, work: dist.Work, timing: CommTiming, stream: CommStream) -> None:
+        self.work, self.timing, self.stream = work, timing, stream
+        self.joined = False
+        if not stream.on_device:
+            try:  # gloo reports completion through the work's future, for most ops
+                work.get_future().add_done_callback(lambda _: timing.mark_finished())
+            except RuntimeError:  # not for all (reduce_scatter_tensor): seen by completed()
+                pass
+
+    def completed(self) -> bool:
+        """Can what depends on it be started without blocking the host? Always on a
+        device (the side stream orders it); on CPU once gloo has finished it."""
+        if self.joined or self.stream.on_device:
+            return True
+        if self.work.is_completed():
+            self.timing.mark_finished()
+            return True
+        return False
+
+    def join(self) -> None:
+        """Order what follows after this collective: on a device the side stream waits
+        for it (the host does not block); on CPU the host blocks, and the time it spends
+        blocked is this collective's exposed time."""
+        if self.joined:
+            return
+        if self.stream.on_device:
+            with self.stream.scope():
+                self.work.wait()
+            self.timing.end_event = self.stream.event_on_side()
+        else:
+            start = time.perf_counter()
+            self.work.wait()
+            self.timing.exposed += time.perf_counter() - start
+            self.timing.mark_finished()
+        self.joined = True
+
+
+# ----- Lins' own collectives: asynchronous, recorded ---------------------------------
+def _start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, group, message: torch.Tensor, call, step: int | None) -> Flight:
     with record_function(f"lins::{spec.name}"):
-        start = time.perf_counter()
-        work = fn()
-        recorder.record(spec, group, message, 0.0 if async_op else time.perf_counter() - start)
+        timing = recorder.record(spec, group, message, step)
+        with stream.scope():
+            timing.start_event = stream.event_on_side()  # None on CPU
+            work = call()
+        return Flight(work, timing, stream)
+
+
+def start_all_gather(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, step: int | None = None) -> Flight:
+    return _start(recorder, stream, spec, group, output,
+                  lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=True), step)
+
+
+def start_reduce_scatter(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, step: int | None = None) -> Flight:
+    return _start(recorder, stream, spec, group, input,
+                  lambda: dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True), step)
+
+
+def start_all_reduce(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, tensor: torch.Tensor, group, step: int | None = None) -> Flight:
+    return _start(recorder, stream, spec, group, tensor,
+                  lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True), step)
+
+
+def all_reduce(recorder: CommRecorder, spec: CollectiveSpec, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """A blocking all-reduce on the caller's stream (the clipping norm's scalar)."""
+    with record_function(f"lins::{spec.name}"):
+        timing = recorder.record(spec, group, tensor)
+        dist.all_reduce(tensor, op=op, group=group)
+        _time_blocking_call(timing, tensor.device)
+
+
+def _time_blocking_call(timing: CommTiming, device: torch.device) -> None:
+    if device.type == "cpu":  # gloo finished it inside the call: all of it was waited for
+        timing.mark_finished()
+        timing.exposed = timing.finished_at - timing.started_at
+    else:  # only launched: it runs on a stream Lins does not watch
+        timing.exposed = None
+
+
+# ----- FSDP2's collectives, recorded through its extension points ----------------------
+def _fsdp_call(recorder: CommRecorder, spec: CollectiveSpec, group, message: torch.Tensor, call, async_op: bool):
+    with record_function(f"lins::{spec.name}"):
+        timing = recorder.record(spec, group, message)
+        work = call()
+        if async_op:
+            timing.exposed = None  # FSDP2 waits for it where Lins cannot see
+        else:
+            _time_blocking_call(timing, message.device)
     return work
-
-
-def all_gather(recorder: CommRecorder, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
-    fn = lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)  # noqa: E731
-    return _timed(recorder, spec, group, output, fn, async_op)
-
-
-def reduce_scatter(recorder: CommRecorder, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
-    fn = lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)  # noqa: E731
-    return _timed(recorder, spec, group, input, fn, async_op)
-
-
-def all_reduce(recorder: CommRecorder, spec: CollectiveSpec, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
-    fn = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # noqa: E731
-    return _timed(recorder, spec, group, tensor, fn, async_op)
-
-
-def _in_backward() -> bool:
-    # FSDP2 does not tell a comm hook why it gathers; inside the autograd engine the
-    # graph task id is set, which separates the backward re-gather from forward.
-    return torch._C._current_graph_task_id() != -1
 
 
 class LinsAllGather(AllGather):
@@ -101,8 +287,9 @@ class LinsAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        spec = PARAM_REGATHER if _in_backward() else PARAM_ALL_GATHER
-        return all_gather(self.recorder, spec, output_tensor, input_tensor, group, async_op)
+        spec = PARAM_REGATHER if in_backward() else PARAM_ALL_GATHER
+        call = lambda: dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)  # noqa: E731
+        return _fsdp_call(self.recorder, spec, group, output_tensor, call, async_op)
 
 
 class LinsReduceScatter(ReduceScatter):
@@ -115,4 +302,5 @@ class LinsReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        return reduce_scatter(self.recorder, GRAD_REDUCE_SCATTER, output_tensor, input_tensor, group, op, async_op)
+        call = lambda: dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)  # noqa: E731
+        return _fsdp_call(self.recorder, GRAD_REDUCE_SCATTER, group, input_tensor, call, async_op)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lins_dtensor.compat import chunk_cat
+
 
 def chunk_rows(rows: int, k: int, index: int) -> int:
     """Rows of chunk ``index`` when ``rows`` are cut into ``k`` chunks like torch.chunk."""
@@ -69,16 +71,17 @@ class ChunkLayout:
 
     # ----- moving data in and out ----------------------------------------------------
     def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """Write ``tensors`` (each with ``rows[i]`` rows) chunked into ``out`` (flat)."""
+        """Write ``tensors`` (each with ``rows[i]`` rows) chunked into ``out`` (flat, in
+        its dtype): one pass, padding zero-filled."""
         grid = out.view(self.k, self.chunk_numel)
         if self.k == 1:
             for view, tensor in zip(self.views(out, 0), tensors):
                 view.copy_(tensor.reshape(view.shape))
             return out
-        # Empty shards occupy no slot; _chunk_cat refuses them.
+        # Empty shards occupy no slot; chunk_cat refuses them.
         flat_rows = [t.reshape(r, n) for t, r, n in zip(tensors, self.rows, self.row_numels) if r]
         if flat_rows:
-            torch._chunk_cat(flat_rows, dim=0, num_chunks=self.k, out=grid)
+            chunk_cat(flat_rows, self.k, grid)
         else:
             out.zero_()
         return out
@@ -90,14 +93,18 @@ class ChunkLayout:
             for offset, rows, numel in zip(self.offsets, self.chunk_rows(index), self.row_numels)
         ]
 
-    def unpack(self, full: torch.Tensor) -> list[torch.Tensor]:
-        """Views of each whole tensor (``rows[i]`` rows) inside an all-gathered buffer.
-
-        Chunks shorter than ``ceil(rows / k)`` only ever come last, so the padded rows
-        of all chunks read in order hold the real rows first: one strided view each.
-        """
+    def unpack_into(self, full: torch.Tensor, dests: Sequence[torch.Tensor]) -> None:
+        """Copy each tensor's real rows out of an all-gathered buffer into ``dests``
+        (contiguous, ``rows[i]`` rows each), with no intermediate buffer: the chunks that
+        are whole move in one strided copy, the one short chunk in a second."""
         grid = full.view(self.k, self.chunk_numel)
-        return [
-            grid[:, offset : offset + slot].reshape(-1, numel)[:rows]
-            for offset, slot, rows, numel in zip(self.offsets, self.slot_numels, self.rows, self.row_numels)
-        ]
+        for offset, padded, rows, numel, dest in zip(self.offsets, self.padded_rows, self.rows, self.row_numels, dests):
+            if not rows:
+                continue
+            dest = dest.view(rows, numel)
+            whole = rows // padded
+            if whole:
+                dest[: whole * padded].view(whole, padded * numel).copy_(grid[:whole, offset : offset + padded * numel])
+            rest = rows - whole * padded
+            if rest:
+                dest[whole * padded :].view(1, rest * numel).copy_(grid[whole : whole + 1, offset : offset + rest * numel])

@@ -20,8 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lins_dtensor import collectives
+from lins_dtensor.compat import foreach_mul_
+from lins_dtensor.plan import LinsPlanError
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import GRAD_NORM_ALL_REDUCE
+
 
 class _StepHooks:
     """Before the step: G buffers -> master gradients. After: masters -> parameters."""
@@ -100,15 +103,26 @@ def _keys_to_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
 
 
 def _keys_from_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    index = {fqn: i for i, fqn in enumerate(optimizer._lins_fqns)}
+    """Back to torch's integer keys. torch pairs saved and current parameters by their
+    position in each param group, and the order of a unit's parameters depends on the
+    plan (FSDP2's order where P is sharded, the module's where it is replicated), so the
+    groups are matched by the parameters' names and keep the current order."""
+    fqns = optimizer._lins_fqns
+    index = {fqn: i for i, fqn in enumerate(fqns)}
     state_dict = dict(state_dict)
     state_dict["state"] = {
         index[k] if isinstance(k, str) else k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in per_param.items()}
         for k, per_param in state_dict["state"].items()
     }
-    state_dict["param_groups"] = [
-        {**g, "params": [index[p] if isinstance(p, str) else p for p in g["params"]]} for g in state_dict["param_groups"]
-    ]
+    groups, start = [], 0
+    for number, (saved, current) in enumerate(zip(state_dict["param_groups"], optimizer.param_groups)):
+        names = fqns[start : start + len(current["params"])]
+        saved_names = {fqns[p] if isinstance(p, int) else p for p in saved["params"]}
+        if saved_names != set(names):
+            raise LinsPlanError(f"optimizer param group {number} holds other parameters than the checkpoint's group {number}")
+        groups.append({**saved, "params": [index[n] for n in names]})
+        start += len(current["params"])
+    state_dict["param_groups"] = groups
     return state_dict
 
 
@@ -153,5 +167,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         replicas = state.mesh.world_size // state.plan.optim
         norm = (total[0] / replicas) ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef) if grads else None
+    if grads:
+        foreach_mul_(grads, coef)
     return norm

@@ -1,18 +1,29 @@
-"""``apply_lins``: FSDP2 holds the parameters, Lins holds gradients and optimizer states.
+"""``apply_lins``: shard a model's P, G and OS under a plan, and run its communication.
 
-FSDP2 (``fully_shard`` on the 1-D ``param_shard`` mesh) does what it does best: it
-all-gathers each unit's parameters for forward and backward, prefetches, frees, and
-reduce-scatters the gradients over the same s_p ranks. FSDP2 ties the gradient group
-to the parameter group, so Lins takes over from there through FSDP2's extension
-points: the all-reduce hook receives each unit's reduce-scattered fp32 gradient and
-moves it into the unit's G buffer (sharded s_g ways), and the optimizer step reduces
-G buffers into fp32 master weights sharded s_os ways and all-gathers the updated
-values back into FSDP2's parameter shards.
+Each unit of the model (:func:`default_units`, then the root) gets a P backend: FSDP2
+``fully_shard`` on the param_shard mesh where parameters are sharded (s_p > 1), plain
+parameters where they are replicated (:mod:`lins_dtensor.units`). Lins owns the rest
+of the schedule: :class:`LinsState` receives each unit's gradient from its backend,
+reduces it into the G buffer, on the step's last micro-batch sends it on to the OS
+layout while backward continues, hands the masters their gradients at
+``optimizer.step()``, and afterwards starts gathering the updated values back into P,
+each unit waited for in its next forward. All of it runs as chains on one
+:class:`~lins_dtensor.executor.Executor` per model.
+
+Which micro-batch is the last? Lins counts backward passes between optimizer steps.
+The step's last one reduces to the OS layout during backward when Lins knows the
+count: told (:func:`set_gradient_accumulation_steps`; the torchtitan integration does
+it) or learned (the count of the previous step). Until it knows (the first step), and
+when a step has fewer passes than expected, the reduction runs at the optimizer step
+instead; with more, each pass after the expected last adds its gradient with one more
+reduction. :func:`set_requires_gradient_sync` overrides the count for the next passes,
+FSDP2-style. Results are identical either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -20,177 +31,62 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lins_dtensor import collectives
-from lins_dtensor.collectives import CommRecorder, LinsAllGather, LinsReduceScatter
-from lins_dtensor.layout import ChunkLayout
-from lins_dtensor.mesh import GRAD_SHARD, MESH_DIMS, OPTIM_REPLICA, OPTIM_SHARD, PARAM_SHARD, LinsMesh, mesh_shape, placements
+from lins_dtensor.collectives import CommRecorder, CommStream
+from lins_dtensor.compat import fsdp_unit_params, queue_backward_callback
+from lins_dtensor.executor import Executor
+from lins_dtensor.mesh import MESH_DIMS, LinsMesh, mesh_shape
 from lins_dtensor.plan import LinsPlan, LinsPlanError
-from lins_dtensor.schedule import (
-    GRAD_SHARD_REDUCE_SCATTER,
-    OPTIM_ALL_REDUCE,
-    OPTIM_REDUCE_SCATTER,
-    UPDATE_GATHER_GRAD,
-    UPDATE_GATHER_OPTIM,
-    CollectiveSpec,
-    UnitGeometry,
-    UnitSchedule,
-)
+from lins_dtensor.schedule import UnitSchedule
+from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams
 
 _STATE_ATTR = "_lins_state"
-
-
-class LinsUnit:
-    """One FSDP unit's parameters in their three layouts, and the moves between them."""
-
-    def __init__(self, module: FSDPModule, fqn_of: dict[int, str], state: "LinsState", is_root: bool) -> None:
-        self.module = module
-        self.state = state
-        self.is_root = is_root
-        # FSDP2 exposes no public list of a unit's parameters in reduce-buffer order;
-        # the param group's FSDPParam list is that order.
-        param_group = module._get_fsdp_state()._fsdp_param_group
-        self.params: list[nn.Parameter] = [p.sharded_param for p in param_group.fsdp_params] if param_group else []
-        self.fqns = [fqn_of[id(p)] for p in self.params]
-        self.geometry = UnitGeometry.build([p.shape for p in self.params], state.plan, state.coords)
-        self.grad_buffer = torch.zeros(self.geometry.grads.chunk_numel, dtype=state.reduce_dtype, device=state.device)
-        # fp32 masters on the OS layout, twice over the same storage: as DTensors (what
-        # checkpoints see) and as plain local tensors (what the optimizer steps; DTensor
-        # dispatch on a 4-D mesh would only add per-op overhead to elementwise updates).
-        self.masters: list[nn.Parameter] = []
-        self.local_masters: list[nn.Parameter] = []
-        self.grads_reduced = False  # this step's G buffer already reduced into the masters
-        self._attach()
-
-    def _attach(self) -> None:
-        recorder, module = self.state.recorder, self.module
-        module.set_custom_all_gather(LinsAllGather(recorder))
-        module.set_custom_reduce_scatter(LinsReduceScatter(recorder))
-        # Sum in the collectives (no AVG / PREMUL_SUM, which gloo lacks); Lins divides
-        # once at the step, after the gradient has been summed over every rank. On a
-        # one-rank group FSDP2 divides nothing by default, and setting a factor there
-        # would only make it divide into a new tensor before its copy.
-        if self.state.mesh.size(PARAM_SHARD) > 1:
-            module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)
-        # Every parameter's gradient in every reduce, so the buffer layout is fixed.
-        module.set_reduce_scatter_unused_params(True, recurse=False)
-        module.set_all_reduce_hook(self.on_grads_reduced)
-        for param in self.params:
-            param.register_post_accumulate_grad_hook(_drop_grad)
-
-    # ----- micro-batch: P-sharded gradient -> G buffer ---------------------------------
-    @torch.no_grad()
-    def on_grads_reduced(self, reduce_output: torch.Tensor) -> None:
-        """FSDP2 all-reduce hook: add this micro-batch's gradient into the G buffer."""
-        g = self.geometry
-        if reduce_output.numel() != g.params.chunk_numel:
-            raise RuntimeError(
-                f"Lins expected a {g.params.chunk_numel}-element gradient shard from FSDP2, got "
-                f"{reduce_output.numel()}; are some parameters unused without set_reduce_scatter_unused_params?"
-            )
-        p_rows = g.params.views(reduce_output, g.param_index)
-        if g.grads.k == 1:  # G is sharded like P: accumulate in place, no staging copy
-            torch._foreach_add_(g.grads.views(self.grad_buffer, 0), p_rows)
-        else:
-            self.grad_buffer.add_(self.state.reduce_level(g.grads, p_rows, GRAD_SHARD_REDUCE_SCATTER, GRAD_SHARD))
-        self.grads_reduced = False
-        if self.state.reduce_in_backward:
-            # Last micro-batch: reduce to the OS layout now, in FSDP2's reduce stream,
-            # so the cross-group traffic overlaps the rest of backward (paper's executor).
-            self.reduce_to_masters()
-
-    # ----- step: G buffer -> OS gradient, OS master -> P ---------------------------------
-    def reduce_to_masters(self) -> None:
-        """The whole G buffer (every micro-batch so far) -> the masters' gradients. Run
-        again, it recomputes the same total, so extra calls cost traffic, never correctness."""
-        g = self.geometry
-        divide_factor = self.state.gradient_divide_factor
-        g_rows = g.grads.views(self.grad_buffer, g.grad_index)
-        os_grad = self.state.reduce_level(g.optim, g_rows, OPTIM_REDUCE_SCATTER, OPTIM_SHARD)
-        if self.state.mesh.size(OPTIM_REPLICA) > 1:
-            collectives.all_reduce(self.state.recorder, OPTIM_ALL_REDUCE, os_grad, self.state.mesh.group(OPTIM_REPLICA))
-        if divide_factor != 1.0:
-            os_grad.div_(divide_factor)
-        for master, view, shape in zip(self.local_masters, g.optim.views(os_grad, g.optim_index), g.local_shapes("optim")):
-            master.grad = view.view(shape).to(master.dtype)
-        self.grads_reduced = True
-
-    @torch.no_grad()
-    def gather_from_masters(self) -> None:
-        """All-gather the updated masters back into FSDP2's parameter shards."""
-        g = self.geometry
-        param_dtype = self.state.param_dtype
-        os_rows = [m.to(param_dtype) for m in self.local_masters]
-        g_rows = self.state.gather_level(g.optim, os_rows, UPDATE_GATHER_OPTIM, OPTIM_SHARD, param_dtype)
-        p_rows = self.state.gather_level(g.grads, g_rows, UPDATE_GATHER_GRAD, GRAD_SHARD, param_dtype)
-        for param, rows in zip(self.params, p_rows):
-            local = param.to_local()
-            local.copy_(rows.view(local.shape))
-
-    @torch.no_grad()
-    def load_masters(self, state_dict: dict, prefix: str) -> bool:
-        """Copy checkpoint values for this unit into its masters; True if any were present."""
-        found = False
-        g = self.geometry
-        for fqn, master, start, shape in zip(self.fqns, self.masters, g.row_starts("optim"), g.local_shapes("optim")):
-            value = state_dict.get(prefix + fqn)
-            if value is None:
-                continue
-            found = True
-            if value is master:  # loaded in place, e.g. by torch.distributed.checkpoint
-                continue
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            if tuple(value.shape) != tuple(master.shape):
-                raise LinsPlanError(f"checkpoint entry '{prefix + fqn}' has shape {tuple(value.shape)}, the model {tuple(master.shape)}")
-            master.to_local().copy_(value.narrow(0, start, shape[0]))  # shared with local_masters
-        return found
-
-    @torch.no_grad()
-    def init_masters(self, full_values: dict[str, torch.Tensor] | None) -> None:
-        """fp32 masters on the OS layout: from the unsharded values if given, else from P."""
-        g = self.geometry
-        starts, local_shapes = g.row_starts("optim"), g.local_shapes("optim")
-        p_starts = g.row_starts("params")
-        masters, local_masters = [], []
-        for fqn, param, start, shape, p_start in zip(self.fqns, self.params, starts, local_shapes, p_starts):
-            if full_values is not None and fqn in full_values:
-                source = full_values[fqn]
-            else:
-                source, start = param.to_local(), start - p_start
-            local = source.detach().reshape(-1, *param.shape[1:]).narrow(0, start, shape[0]) if param.dim() else source.detach().reshape(())
-            local = local.to(self.state.master_dtype, copy=True).contiguous()
-            dtensor = DTensor.from_local(local, self.state.mesh.device_mesh, placements("optim"), run_check=False, shape=param.shape, stride=param.stride())
-            masters.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
-            local_masters.append(nn.Parameter(masters[-1].to_local(), requires_grad=param.requires_grad))
-        self.masters, self.local_masters = masters, local_masters
 
 
 @dataclasses.dataclass
 class LinsState:
     """Everything ``apply_lins`` attaches to a model (``model._lins_state``)."""
 
-    mesh: LinsMesh
-    plan: LinsPlan
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    master_dtype: torch.dtype
-    gradient_divide_factor: float
-    device: torch.device
-    recorder: CommRecorder
+    ctx: ShardContext
     units: list[LinsUnit] = dataclasses.field(default_factory=list)
-    reduce_in_backward: bool = False  # see set_reduce_in_backward
     optimizer: torch.optim.Optimizer | None = None  # set by lins_optimizer
+    # Which backward is the step's last (module docstring).
+    requires_gradient_sync: bool | None = None  # set_requires_gradient_sync
+    accumulation_steps: int | None = None  # set_gradient_accumulation_steps
+    learned_steps: int | None = None  # backward passes in the previous step
+    backward_index: int = 0  # backward passes since the last optimizer step
+    in_backward: bool = False
+    sync: bool = False  # the running backward reduces to the OS layout
+    warned_extra_backward: bool = False
+    # The order units run forward in, for the update gathers (seen on each forward).
+    forward_order: list[LinsUnit] = dataclasses.field(default_factory=list)
+    _seen: dict[int, LinsUnit] = dataclasses.field(default_factory=dict)
 
     @property
-    def coords(self) -> dict[str, int]:
-        return {dim: self.mesh.coordinate(dim) for dim in MESH_DIMS}
+    def mesh(self) -> LinsMesh:
+        return self.ctx.mesh
+
+    @property
+    def plan(self) -> LinsPlan:
+        return self.ctx.plan
+
+    @property
+    def recorder(self) -> CommRecorder:
+        return self.ctx.recorder
+
+    @property
+    def executor(self) -> Executor:
+        return self.ctx.executor
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
 
     def masters(self) -> dict[str, nn.Parameter]:
         """The fp32 masters by FQN. A model sharded on the meta device (torchtitan's way)
         gets meta masters at apply time; they are made from the parameters here, once
         those have been materialised and initialised."""
         for unit in self.units:
+            unit.backend.refresh()
             if unit.masters and unit.masters[0].is_meta and not unit.params[0].is_meta:
                 unit.init_masters(None)
         return {fqn: m for unit in self.units for fqn, m in zip(unit.fqns, unit.masters)}
@@ -198,74 +94,112 @@ class LinsState:
     def schedule(self) -> list[UnitSchedule]:
         return [UnitSchedule(unit.geometry, unit.is_root) for unit in self.units]
 
-    # ----- one level of the P -> G -> OS hierarchy --------------------------------------
-    def reduce_level(self, layout: ChunkLayout, rows: list[torch.Tensor], spec: CollectiveSpec, dim: str) -> torch.Tensor:
-        """Sum ``rows`` (this rank's shard at the coarser level) over ``dim``, keeping
-        this rank's chunk: a reduce-scatter of the packed buffer (a copy when k=1)."""
-        packed = layout.pack(rows, torch.empty(layout.total_numel, dtype=self.reduce_dtype, device=self.device))
-        if layout.k == 1:
-            return packed
-        out = torch.empty(layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
-        collectives.reduce_scatter(self.recorder, spec, out, packed, self.mesh.group(dim))
-        return out
+    # ----- backward: gradients in, reductions out ---------------------------------------
+    def on_gradient(self, unit: LinsUnit, rows: list[torch.Tensor], keep) -> None:
+        """A unit's backend hands over one backward pass's P-sharded gradient."""
+        if not self.in_backward:
+            self._begin_backward()
+        unit.accumulate(rows, self.sync, keep)
+        self.executor.pump()
 
-    def gather_level(self, layout: ChunkLayout, rows: list[torch.Tensor], spec: CollectiveSpec, dim: str, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Inverse of :meth:`reduce_level`: all-gather this rank's chunk over ``dim``."""
-        if layout.k == 1:
-            return rows
-        index = self.mesh.coordinate(dim)
-        chunk = torch.zeros(layout.chunk_numel, dtype=dtype, device=self.device)
-        for view, row in zip(layout.views(chunk, index), rows):
-            view.copy_(row.reshape(view.shape))
-        full = torch.empty(layout.total_numel, dtype=dtype, device=self.device)
-        collectives.all_gather(self.recorder, spec, full, chunk, self.mesh.group(dim))
-        return layout.unpack(full)
+    def _begin_backward(self) -> None:
+        self.in_backward = True
+        self.sync = self._is_last_backward()
+        queue_backward_callback(self._end_backward)
 
-    # ----- the optimizer step --------------------------------------------------------------
+    def _is_last_backward(self) -> bool:
+        if self.requires_gradient_sync is not None:
+            return self.requires_gradient_sync
+        steps = self.accumulation_steps or self.learned_steps
+        if steps is None:
+            return False  # not known yet: reduce at the optimizer step
+        if self.accumulation_steps and self.backward_index >= steps and not self.warned_extra_backward:
+            self.warned_extra_backward = True
+            warnings.warn(
+                f"lins: backward pass {self.backward_index + 1} before optimizer.step() with "
+                f"set_gradient_accumulation_steps({steps}): every extra pass reduces its gradient across "
+                "G groups once more; tell Lins the real count", stacklevel=2,
+            )
+        return self.backward_index + 1 >= steps
+
+    def _end_backward(self) -> None:
+        for unit in self.units:
+            unit.backend.end_backward()
+        self.in_backward = False
+        self.backward_index += 1
+        self.executor.pump()
+
+    # ----- the optimizer step ---------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """G buffers -> gradients of the OS masters, for units not reduced yet this step
-        (clipping calls it before the step; a backward with reduce_in_backward may have
-        done it already)."""
+        """Hand the masters this step's gradients: start the reductions that did not run
+        in backward, then wait for all (clipping calls it before the step)."""
         for unit in self.units:
-            if not unit.grads_reduced:
-                unit.reduce_to_masters()
+            unit.start_reduction()
+        for unit in self.units:
+            unit.finalize_grads()
 
     @torch.no_grad()
     def finish_step(self) -> None:
-        """After the optimizer: spread the new values to P, consume the gradients."""
+        """After the optimizer: consume the gradients and start spreading the new
+        values to P, in the order the units run forward."""
         for unit in self.units:
-            unit.gather_from_masters()
-            unit.grad_buffer.zero_()
-            unit.grads_reduced = False
-            for master in unit.local_masters:
-                master.grad = None
+            unit.end_step()
+        if self.backward_index:
+            self.learned_steps = self.backward_index
+        self.backward_index = 0
+        for unit in self._update_order():
+            unit.start_update()
         self.recorder.end_step()
+
+    def _update_order(self) -> list[LinsUnit]:
+        seen = set(map(id, self.forward_order))
+        unseen = [u for u in self.units if id(u) not in seen]
+        unseen.sort(key=lambda u: not u.is_root)  # the root's forward starts first
+        return unseen + self.forward_order
+
+    # ----- forward: wait for the update where it is needed -------------------------------------
+    def before_root_forward(self) -> None:
+        self._seen = {}
+        for unit in self.units:
+            if unit.backend.refresh() and unit.masters[0].is_meta:
+                unit.init_masters(None)
+        # A unit whose forward did not run last time (its parameters are read by other
+        # modules) is waited for here, before anything can read it.
+        if self.forward_order:
+            seen = set(map(id, self.forward_order))
+            for unit in self.units:
+                if id(unit) not in seen:
+                    unit.wait_update()
+
+    def before_unit_forward(self, unit: LinsUnit) -> None:
+        self._seen.setdefault(id(unit), unit)
+        unit.wait_update()
+        self.executor.pump()
+
+    def after_root_forward(self) -> None:
+        if torch.is_grad_enabled() or not self.forward_order:
+            self.forward_order = list(self._seen.values())
+
+    def wait_for_updates(self) -> None:
+        """Wait for everything in flight; afterwards P holds the last step's values."""
+        self.executor.wait_all()
+        for unit in self.units:
+            unit.wait_update()
 
     def memory_bytes(self) -> dict[str, int]:
         """Persistent bytes this rank holds per state, measured on the live tensors."""
         from lins_dtensor.optimizer import optimizer_state_bytes
 
-        params = sum(p._local_tensor.untyped_storage().nbytes() for unit in self.units for p in unit.params)
-        grads = sum(unit.grad_buffer.numel() * unit.grad_buffer.element_size() for unit in self.units)
-        masters = [m for unit in self.units for m in unit.local_masters]
-        optim = sum(m.numel() * m.element_size() for m in masters) + optimizer_state_bytes(self.optimizer)
-        return {"params": params, "grads": grads, "optim": optim}
+        total = {"params": 0, "grads": 0, "optim": 0}
+        for unit in self.units:
+            for state, nbytes in unit.memory_bytes().items():
+                total[state] += nbytes
+        total["optim"] += optimizer_state_bytes(self.optimizer)
+        return total
 
 
-def set_reduce_in_backward(model: nn.Module, enabled: bool) -> None:
-    """Reduce gradients all the way to the optimizer layout during the following
-    backward passes, unit by unit, instead of at ``optimizer.step()``.
-
-    Turn it on for the last micro-batch of each step (always, when there is one micro-
-    batch per step): the reduction across G groups then overlaps the rest of backward
-    on CUDA streams, as the Lins paper's executor does. Leave it off for the other
-    micro-batches, whose gradients then stay inside their G group. Results are the same
-    either way.
-    """
-    lins_state(model).reduce_in_backward = enabled
-
-
+# ----- controls ----------------------------------------------------------------------------------
 def lins_state(model: nn.Module) -> LinsState:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
@@ -273,6 +207,51 @@ def lins_state(model: nn.Module) -> LinsState:
     return state
 
 
+def set_gradient_accumulation_steps(model: nn.Module, steps: int | None) -> None:
+    """Tell Lins how many backward passes (micro-batches) each optimizer step
+    accumulates, so that the last one reduces its gradients to the optimizer layout
+    during backward, overlapped with it. ``None``: learn it from the previous step
+    (the default; the first step then reduces at ``optimizer.step()``)."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise LinsPlanError(f"gradient_accumulation_steps={steps!r} must be a positive integer or None")
+    state = lins_state(model)
+    state.accumulation_steps = steps
+    state.warned_extra_backward = False
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool | None) -> None:
+    """FSDP2's convention for the following backward passes: ``False`` keeps their
+    gradients inside the G group (the optimizer step reduces them), ``True`` reduces
+    them to the optimizer layout during backward; ``None`` returns to counting
+    (:func:`set_gradient_accumulation_steps`). Results are the same either way."""
+    if requires_gradient_sync is not None and not isinstance(requires_gradient_sync, bool):
+        raise LinsPlanError(f"requires_gradient_sync={requires_gradient_sync!r} must be True, False or None")
+    lins_state(model).requires_gradient_sync = requires_gradient_sync
+
+
+def set_reduce_in_backward(model: nn.Module, enabled: bool) -> None:
+    """Deprecated: Lins knows the last micro-batch by itself now. Same as
+    ``set_requires_gradient_sync(model, enabled)``."""
+    warnings.warn(
+        "set_reduce_in_backward is deprecated: Lins finds the last micro-batch itself "
+        "(set_gradient_accumulation_steps(model, M) tells it up front); "
+        "set_requires_gradient_sync(model, enabled) is the direct replacement",
+        FutureWarning, stacklevel=2,
+    )
+    set_requires_gradient_sync(model, enabled)
+
+
+def wait_for_updates(model: nn.Module) -> None:
+    """Block until the model's parameters hold the last optimizer step's values.
+
+    Lins spreads the updated values to the parameters asynchronously after
+    ``optimizer.step()``; each unit's forward waits for its own, so training needs no
+    call. Call it before reading parameters outside forward (``lins_stats``,
+    ``state_dict`` and checkpoint loading do)."""
+    lins_state(model).wait_for_updates()
+
+
+# ----- apply ---------------------------------------------------------------------------------------
 def default_units(model: nn.Module) -> list[nn.Module]:
     """The modules to shard as units, torchtitan-style: every child of the root that has
     parameters, with ``nn.ModuleList`` / ``nn.ModuleDict`` children expanded into their
@@ -307,6 +286,7 @@ def apply_lins(
     mp_policy: MixedPrecisionPolicy | None = None,
     gradient_divide_factor: float | None = None,
     units: Iterable[nn.Module] | None = None,
+    max_inflight_bytes: int | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place under ``plan`` and return it.
 
@@ -316,6 +296,8 @@ def apply_lins(
     ranks (``gradient_divide_factor`` = world size) unless another factor is given,
     e.g. 1.0 to sum them. ``units`` are the modules to shard separately (default:
     :func:`default_units`); the model itself is always the root unit.
+    ``max_inflight_bytes`` bounds the transient buffers of Lins' collectives in flight
+    (default: twice the largest unit's).
     """
     if not isinstance(mesh, LinsMesh):
         raise LinsPlanError("mesh must come from build_lins_mesh(plan, ...), not a plain DeviceMesh")
@@ -325,6 +307,8 @@ def apply_lins(
     expected = mesh_shape(plan, mesh.world_size)
     if tuple(mesh.device_mesh.shape) != expected or mesh.device_mesh.mesh_dim_names != MESH_DIMS:
         raise LinsPlanError(f"mesh shape {tuple(mesh.device_mesh.shape)} does not match plan '{plan}' (expected {expected})")
+    if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0):
+        raise LinsPlanError(f"max_inflight_bytes={max_inflight_bytes!r} must be a non-negative integer or None")
     _check_model(model)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params = dict(model.named_parameters())
@@ -342,25 +326,53 @@ def apply_lins(
     with torch.no_grad():
         for p in params.values():
             p.data = p.data.to(param_dtype)
+            if plan.params == 1 and not p.is_meta and p.device != device:
+                p.data = p.data.to(device)  # FSDP2 would move them; with no FSDP2, Lins does
 
-    recorder = CommRecorder(mesh.ranks_per_node)
-    state = LinsState(
+    stream = CommStream(device)
+    ctx = ShardContext(
         mesh, plan, param_dtype, reduce_dtype, master_dtype,
-        float(mesh.world_size if gradient_divide_factor is None else gradient_divide_factor), device, recorder,
+        float(mesh.world_size if gradient_divide_factor is None else gradient_divide_factor), device,
+        CommRecorder(mesh.ranks_per_node), stream, Executor(stream, max_inflight_bytes or 0),
     )
-    fsdp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=mp_policy.output_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
+    state = LinsState(ctx)
     unit_modules = list(default_units(model) if units is None else units) + [model]
+    names = {id(m): n for n, m in model.named_modules()}
+    claimed: set[int] = set()
     for module in unit_modules:
-        fully_shard(module, mesh=mesh.param_mesh(), reshard_after_forward=plan.reshard_after_forward, mp_policy=fsdp_policy, ignored_params=frozen)
+        backend = _make_backend(module, mesh, mp_policy, param_dtype, reduce_dtype, frozen, claimed)
+        if not backend.params:
+            continue
         # fully_shard swaps in new Parameter objects: look the names up afterwards.
         fqn_of = {id(p): _clean_fqn(n) for n, p in model.named_parameters()}
-        unit = LinsUnit(module, fqn_of, state, is_root=module is model)
-        if unit.params:
-            unit.init_masters(full_values)
-            state.units.append(unit)
+        unit = LinsUnit(ctx, backend, _clean_fqn(names[id(module)]) or "<root>", [fqn_of[id(p)] for p in backend.params], module is model)
+        unit.init_masters(full_values)
+        backend.attach(ctx, lambda rows, keep, u=unit: state.on_gradient(u, rows, keep), unit.geometry)
+        module.register_forward_pre_hook(lambda m, args, u=unit: state.before_unit_forward(u), prepend=True)
+        state.units.append(unit)
+    if max_inflight_bytes is None:
+        ctx.executor.max_inflight_bytes = 2 * max((max(u.buffer_bytes.values()) for u in state.units), default=0)
+    model.register_forward_pre_hook(lambda m, args: state.before_root_forward(), prepend=True)
+    model.register_forward_hook(lambda m, args, output: state.after_root_forward())
     setattr(model, _STATE_ATTR, state)
     _install_state_dict_hooks(model, state)
     return model
+
+
+def _make_backend(
+    module: nn.Module, mesh: LinsMesh, mp_policy: MixedPrecisionPolicy, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    frozen: set, claimed: set[int],
+) -> Backend:
+    """FSDP2 where P is sharded; where it is replicated, the module's parameters as they
+    are (those no earlier unit took, as FSDP2 leaves nested units' parameters to them)."""
+    plan = mesh.plan
+    if plan.params > 1:
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=mp_policy.output_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
+        fully_shard(module, mesh=mesh.param_mesh(), reshard_after_forward=plan.reshard_after_forward, mp_policy=policy, ignored_params=frozen)
+        return ShardedParams(module, fsdp_unit_params(module))
+    own = [p for p in module.parameters() if id(p) not in claimed and p not in frozen]
+    claimed.update(id(p) for p in module.parameters())
+    return ReplicatedParams(module, own, mp_policy)
 
 
 # Module wrappers that insert a level into parameter names but strip it from their
@@ -376,27 +388,24 @@ def _clean_fqn(name: str) -> str:
     return name
 
 
-def _drop_grad(param: torch.Tensor) -> None:
-    # The gradient already went into the G buffer (all-reduce hook, which FSDP2 runs
-    # before it casts and assigns .grad); the P-sharded copy is not kept.
-    param.grad = None
-
-
 def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
     def save_masters(module, state_dict, prefix, local_metadata):
         # Checkpoints hold the full-precision masters on the OS layout, the source of
         # truth; P is derived from them on load.
+        state.wait_for_updates()
         for fqn, master in state.masters().items():
             state_dict[prefix + fqn] = master
 
     def load_masters(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        state.wait_for_updates()
         state.masters()  # materialise meta masters before loading into them
         loaded = False
         for unit in state.units:
             loaded |= unit.load_masters(state_dict, prefix)
         if loaded:
             for unit in state.units:
-                unit.gather_from_masters()
+                unit.start_update()
+            state.wait_for_updates()
         for unit in state.units:
             for fqn, param in zip(unit.fqns, unit.params):
                 if prefix + fqn in state_dict:

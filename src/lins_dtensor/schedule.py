@@ -20,6 +20,15 @@ b_p (param dtype) and b_r (reduce dtype), M micro-batches, ring algorithm:
   (wire 2(1/s_os - 1/N)·Φ·b_r), then all-gathers of the updated values back to the P
   layout: over s_os/s_g (Φ/s_g·b_p) and over s_g/s_p (Φ/s_p·b_p).
 
+Who issues what, and what it can hide behind. FSDP2 issues the parameter gathers and
+the P-group reduce-scatter (``issuer`` "fsdp2"): blocking on CPU, on FSDP2's streams on
+accelerators. Lins issues the rest ("lins") asynchronously, as chains
+(:mod:`lins_dtensor.executor`), on CPU and accelerators alike: a micro-batch's G-level
+reduce-scatter runs behind the rest of its backward; the step reductions of a unit
+start once its last micro-batch's gradient is in the G buffer and run behind the rest
+of that backward; the update gathers start when the optimizer has run and are waited
+for in each unit's next forward.
+
 Memory per rank: P Φ·b_p/s_p, G Φ·b_r/s_g, OS Φ·(4 + optimizer states)/s_os.
 """
 
@@ -64,11 +73,12 @@ class CollectiveSpec:
     phase: Phase
     dtype: str
     layout: str
+    issuer: str = "lins"  # "fsdp2": issued and waited for by FSDP2
 
 
-PARAM_ALL_GATHER = CollectiveSpec("param_all_gather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.FORWARD, "param", "params")
-PARAM_REGATHER = CollectiveSpec("param_regather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.BACKWARD, "param", "params")
-GRAD_REDUCE_SCATTER = CollectiveSpec("grad_reduce_scatter", "grads", Op.REDUCE_SCATTER, PARAM_SHARD, Phase.BACKWARD, "reduce", "params")
+PARAM_ALL_GATHER = CollectiveSpec("param_all_gather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.FORWARD, "param", "params", "fsdp2")
+PARAM_REGATHER = CollectiveSpec("param_regather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.BACKWARD, "param", "params", "fsdp2")
+GRAD_REDUCE_SCATTER = CollectiveSpec("grad_reduce_scatter", "grads", Op.REDUCE_SCATTER, PARAM_SHARD, Phase.BACKWARD, "reduce", "params", "fsdp2")
 GRAD_SHARD_REDUCE_SCATTER = CollectiveSpec("grad_shard_reduce_scatter", "grads", Op.REDUCE_SCATTER, GRAD_SHARD, Phase.BACKWARD, "reduce", "grads")
 OPTIM_REDUCE_SCATTER = CollectiveSpec("optim_reduce_scatter", "optim", Op.REDUCE_SCATTER, OPTIM_SHARD, Phase.STEP, "reduce", "optim")
 OPTIM_ALL_REDUCE = CollectiveSpec("optim_all_reduce", "optim", Op.ALL_REDUCE, OPTIM_REPLICA, Phase.STEP, "reduce", "optim")
@@ -142,6 +152,13 @@ class UnitGeometry:
 
     def layout(self, level: str) -> ChunkLayout:
         return getattr(self, level)
+
+    @property
+    def os_is_g_chunk(self) -> bool:
+        """Is this rank's OS layout its G chunk itself (OS no finer than G, and no padding
+        in this rank's G chunk)? Then the OS-layout gradient is the G buffer, and the
+        masters' buffer is the G-level chunk of the update gather, with no copy."""
+        return self.optim.k == 1 and self.grads.chunk_rows(self.grad_index) == self.grads.padded_rows
 
     def local_shapes(self, level: str) -> list[torch.Size]:
         """Shapes of this rank's shard of each tensor at ``level``."""
@@ -248,19 +265,24 @@ def local_copy_bytes(
     param_bytes: int,
     reduce_bytes: int,
     master_bytes: int = 4,
+    divide: bool = True,
 ) -> dict[str, int]:
     """Bytes one rank reads plus writes in local copies around its collectives in one
     step, by phase: the memory-bound work that surrounds the collectives above.
 
-    Per micro-batch, FSDP2 copies each unit's parameters out of its all-gather buffer
-    (and its own shard in), and copies the unsharded gradients into its reduce-scatter
-    input; it does both on a one-rank group too, plus an output copy in place of the
-    reduce-scatter; with hpZ it keeps a 1/k shard after forward and re-gathers from it.
-    Lins then adds the result into the G buffer, after packing and reduce-scattering it
-    when G is sharded finer than P. At the step Lins packs the G
-    buffer for the OS reduction, divides, packs the updated masters for each gather
-    level, copies the result into FSDP2's shards and zeroes the G buffer. Small next to
-    a GPU's compute; a large share of a step on CPUs emulating a cluster.
+    With P sharded (s_p > 1), FSDP2 copies each unit's shard into its all-gather input
+    and the gathered parameters out, in forward and again in backward when resharded
+    (with hpZ it keeps a 1/k shard after forward and re-gathers from it), and copies the
+    unsharded gradients into its reduce-scatter input; with P replicated Lins uses no
+    FSDP2 and takes autograd's gradients as they are. Each micro-batch's gradient then
+    goes into the G buffer: copied by the first micro-batch of a step and added by the
+    others, after a pack for the reduce-scatter when G is sharded finer than P (the
+    first micro-batch's reduce-scatter writes into the G buffer itself). The reduction to
+    the OS layout packs the G buffer when OS is finer than G (none when the OS layout is
+    the G chunk itself), the step divides the OS gradient (``divide``) and casts it to
+    the masters' dtype, and the update casts the masters to the parameter dtype, packs
+    the G-level chunk when both gathers run, and unpacks the gathered rows into the
+    parameters.
     """
     copies = {phase.value: 0 for phase in Phase}
     hpz = plan.reshard_after_forward
@@ -270,46 +292,75 @@ def local_copy_bytes(
         if not any(s.numel() for s in g.shapes):
             continue
         full, p_numel, g_numel, os_numel = g.params.total_numel, g.params.chunk_numel, g.grads.chunk_numel, g.optim.chunk_numel
-        unshard = 2 * full * param_bytes + (2 * p_numel * param_bytes if g.params.k > 1 else 0)
-        copies[Phase.FORWARD.value] += m * unshard
-        backward = 2 * full * reduce_bytes * (1 if g.params.k > 1 else 2)
-        if g.grads.k == 1:
-            backward += 3 * p_numel * reduce_bytes
+        backward = 0
+        if plan.params > 1:
+            unshard = 2 * full * param_bytes + 2 * p_numel * param_bytes
+            copies[Phase.FORWARD.value] += m * unshard
+            per_microbatch = 2 * full * reduce_bytes  # FSDP2's reduce-scatter copy-in
+            if not unit.is_root and hpz is True:
+                per_microbatch += unshard
+            elif not unit.is_root and hpz is not False:
+                # hpZ keeps a 1/k shard after forward (a copy) and re-gathers from it.
+                post_forward = 2 * (full // hpz) * param_bytes
+                copies[Phase.FORWARD.value] += m * post_forward
+                per_microbatch += 2 * full * param_bytes + post_forward
+            backward += m * per_microbatch
+            grad_bytes = reduce_bytes  # FSDP2 hands Lins the reduced shard in the reduce dtype
         else:
-            backward += 2 * p_numel * reduce_bytes + 3 * g_numel * reduce_bytes
-        if not unit.is_root and hpz is True:
-            backward += unshard
-        elif not unit.is_root and hpz is not False:
-            # hpZ keeps a 1/k shard after forward (a copy) and re-gathers from it.
-            post_forward = 2 * (full // hpz) * param_bytes
-            copies[Phase.FORWARD.value] += m * post_forward
-            backward += 2 * full * param_bytes + post_forward
-        copies[Phase.BACKWARD.value] += m * backward
-        step = 2 * g_numel * reduce_bytes + 2 * os_numel * reduce_bytes + g_numel * reduce_bytes
+            grad_bytes = param_bytes  # autograd's gradient, in the parameter dtype
+        if g.grads.k == 1:
+            backward += p_numel * (grad_bytes + reduce_bytes) + (m - 1) * p_numel * (grad_bytes + 2 * reduce_bytes)
+        else:
+            backward += m * (p_numel * grad_bytes + g.grads.total_numel * reduce_bytes) + (m - 1) * 3 * g_numel * reduce_bytes
+        if g.optim.k > 1:
+            backward += (g_numel + g.optim.total_numel) * reduce_bytes
+        elif not g.os_is_g_chunk:
+            backward += 2 * os_numel * reduce_bytes
+        copies[Phase.BACKWARD.value] += backward
+        step = 2 * os_numel * reduce_bytes if divide else 0
         if reduce_bytes != master_bytes:
             step += os_numel * (reduce_bytes + master_bytes)
         if param_bytes != master_bytes:
             step += os_numel * (master_bytes + param_bytes)
-        step += 2 * os_numel * param_bytes if g.optim.k > 1 else 0
-        step += 2 * g_numel * param_bytes if g.grads.k > 1 else 0
+        if g.grads.k > 1 and not g.os_is_g_chunk:
+            step += 2 * g_numel * param_bytes
         step += 2 * p_numel * param_bytes
         copies[Phase.STEP.value] += step
     return copies
+
+
+def chain_buffer_bytes(geometry: UnitGeometry, *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4) -> dict[str, int]:
+    """Transient bytes each of a unit's chains (:mod:`lins_dtensor.executor`) allocates
+    and holds until it is done: "grads", a micro-batch's reduce-scatter into G (packed
+    input, and the output a later micro-batch adds); "optim", the reduction to the OS
+    layout (packed input; its output is the optimizer's gradient, held until the step);
+    "update", the gathers back to P (cast masters, gathered outputs, packed G chunk)."""
+    g = geometry
+    o_n, g_n = g.optim.chunk_numel, g.grads.chunk_numel
+    grads = (g.grads.total_numel + g_n) * reduce_bytes if g.grads.k > 1 else 0
+    optim = g.optim.total_numel * reduce_bytes if g.optim.k > 1 else 0
+    update = o_n * param_bytes if param_bytes != master_bytes else 0
+    if g.optim.k > 1:
+        update += g.optim.total_numel * param_bytes
+    if g.grads.k > 1:
+        update += g.grads.total_numel * param_bytes + (0 if g.os_is_g_chunk else g_n * param_bytes)
+    return {"grads": grads, "optim": optim, "update": update}
 
 
 def state_memory_bytes(
     units: Iterable[UnitSchedule], *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4, optim_states: int = 2
 ) -> dict[str, int]:
     """Persistent bytes per rank of each state: P shards (FSDP2 keeps them padded),
-    G buffers (padded chunk rows) and OS (fp32 master plus ``optim_states`` tensors of
-    the same size, 2 for Adam)."""
+    G buffers (padded chunk rows) and OS (the fp32 masters' buffer, padded like the
+    update all-gather's input, plus ``optim_states`` tensors of the real size, 2 for
+    Adam)."""
     memory = {"params": 0, "grads": 0, "optim": 0}
     for unit in units:
         g = unit.geometry
         memory["params"] += g.params.chunk_numel * param_bytes
         memory["grads"] += g.grads.chunk_numel * reduce_bytes
         os_numel = sum(s.numel() for s in g.local_shapes("optim"))
-        memory["optim"] += os_numel * master_bytes * (1 + optim_states)
+        memory["optim"] += (g.optim.chunk_numel + optim_states * os_numel) * master_bytes
     return memory
 
 

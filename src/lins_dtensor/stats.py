@@ -1,4 +1,5 @@
-"""What Lins did in the last step: collectives by state, op and link, and memory per state."""
+"""What Lins did in the last step: collectives by state, op and link, how much of their
+time was exposed, and memory per state."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 
 from torch import nn
 
+from lins_dtensor.collectives import CommTiming
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import CollectiveRecord, summarize
 
@@ -14,7 +16,7 @@ from lins_dtensor.schedule import CollectiveRecord, summarize
 class LinsStats:
     plan: str
     collectives: list[CollectiveRecord]  # the last completed optimizer step, on this rank
-    comm_seconds: float  # host time inside those collectives (launch time on async backends)
+    timings: list[CommTiming]  # one per record, same order
     memory_bytes: dict[str, int]  # persistent bytes per state on this rank
 
     def bytes_by(self, state: str | None = None, op: str | None = None, link: str | None = None, wire: bool = False) -> float:
@@ -26,11 +28,34 @@ class LinsStats:
             if (state is None or s == state) and (op is None or o == op) and (link is None or lk == link)
         )
 
+    def comm_time(self) -> dict[str, dict[str, float]]:
+        """Per state: seconds of collective time that something waited for ("exposed")
+        and that ran behind compute ("hidden"), plus how many collectives could not be
+        timed ("unmeasured": FSDP2's own on an accelerator)."""
+        out: dict[str, dict[str, float]] = {}
+        for timing in self.timings:
+            entry = out.setdefault(timing.state, {"exposed": 0.0, "hidden": 0.0, "unmeasured": 0})
+            exposed, hidden = timing.exposed, timing.hidden
+            if exposed is None or hidden is None:
+                entry["unmeasured"] += 1
+            else:
+                entry["exposed"] += exposed
+                entry["hidden"] += hidden
+        return out
+
+    @property
+    def comm_seconds(self) -> float:
+        """All exposed collective time of the step (what communication added to it)."""
+        return sum(entry["exposed"] for entry in self.comm_time().values())
+
     def scalars(self) -> dict[str, float]:
         """Flat ``lins/...`` names for a metrics logger (TensorBoard)."""
         out: dict[str, float] = {}
         for (state, op, link), v in summarize(self.collectives).items():
             out[f"lins/bytes/{state}/{op}/{link}"] = v["message_bytes"]
+        for state, entry in self.comm_time().items():
+            out[f"lins/comm/exposed_s/{state}"] = entry["exposed"]
+            out[f"lins/comm/hidden_s/{state}"] = entry["hidden"]
         out["lins/comm_seconds"] = self.comm_seconds
         for state, nbytes in self.memory_bytes.items():
             out[f"lins/memory/{state}"] = nbytes
@@ -38,5 +63,9 @@ class LinsStats:
 
 
 def lins_stats(model: nn.Module) -> LinsStats:
+    """The last completed step's statistics. Waits for the step's collectives still in
+    flight (the update gathers) so that their time is known."""
     state = lins_state(model)
-    return LinsStats(str(state.plan), list(state.recorder.last_step), state.recorder.last_step_seconds, state.memory_bytes())
+    state.wait_for_updates()
+    recorder = state.recorder
+    return LinsStats(str(state.plan), list(recorder.last_step), list(recorder.last_step_timing), state.memory_bytes())

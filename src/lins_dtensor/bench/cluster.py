@@ -207,7 +207,7 @@ class Strategies:
             m.set_force_sum_reduction_for_comms(True)
             if kind in ("hsdp", "hsdp-deferred"):
                 group = mesh.get_group("replicate")
-                m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out, 0.0))
+                m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out))
         context = None
         if kind == "hsdp-deferred":
             @contextlib.contextmanager
@@ -227,7 +227,7 @@ class Strategies:
 
         def hook(state, bucket):
             buf = bucket.buffer()
-            recorder.record(OPTIM_ALL_REDUCE, None, buf, 0.0)
+            recorder.record(OPTIM_ALL_REDUCE, None, buf)
             buf.div_(self.world)
             fut = dist.all_reduce(buf, async_op=True).get_future()
             return fut.then(lambda f: f.value()[0])

@@ -1,0 +1,82 @@
+"""The private torch APIs Lins uses, each behind one function that names the public API
+it waits for. Nothing else in lins_dtensor touches a private torch name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# Waits for: ``AllGather`` / ``ReduceScatter`` exported from ``torch.distributed.fsdp``
+# (the types ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` take).
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: F401
+
+
+def fsdp_unit_params(module: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters FSDP2 manages for ``module``, in the order of its
+    all-gather and reduce-scatter buffers.
+
+    Waits for: a public ``FSDPModule`` accessor of its parameter group's parameters."""
+    param_group = module._get_fsdp_state()._fsdp_param_group
+    return [p.sharded_param for p in param_group.fsdp_params] if param_group else []
+
+
+def fsdp_wait_all_gather_streams(module: nn.Module, event: torch.Event) -> None:
+    """Make the streams FSDP2 copies and all-gathers ``module``'s parameters on wait for
+    ``event`` (Lins wrote the parameters' local shards on its own stream).
+
+    Waits for: a per-module ``FSDPModule.set_post_optim_event`` (today it is honoured by
+    the root only, which would hold every unit's all-gather until all are updated)."""
+    param_group = module._get_fsdp_state()._fsdp_param_group
+    if param_group is not None:
+        param_group._wait_all_gather_streams_on_event(event)
+
+
+def in_backward() -> bool:
+    """True inside the autograd engine (FSDP2 re-gathers in backward).
+
+    Waits for: FSDP2 telling a custom all-gather why it gathers."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the running backward pass has finished (call from a hook
+    inside it), as DDP and FSDP2 do for their end-of-backward work.
+
+    Waits for: a public end-of-backward hook (``torch.autograd.graph`` has none)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Chunk each 2-D tensor into ``num_chunks`` row chunks (padding short ones with
+    zeros) and write chunk j of every tensor into row j of ``out`` (casting to its dtype).
+
+    Waits for: a public ``torch.chunk_cat`` (FSDP2 uses the same op)."""
+    torch._chunk_cat(list(tensors), dim=0, num_chunks=num_chunks, out=out)
+
+
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, in one fused call. Waits for: public foreach ops."""
+    torch._foreach_copy_(list(dst), list(src))
+
+
+def foreach_add_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``d.add_(s)`` for each pair, in one fused call. Waits for: public foreach ops."""
+    torch._foreach_add_(list(dst), list(src))
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: torch.Tensor | float) -> None:
+    """``t.mul_(scalar)`` for each tensor, in one fused call. Waits for: public foreach ops."""
+    torch._foreach_mul_(list(tensors), scalar)
+
+
+def map_floating_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """Apply ``fn`` to every floating-point tensor in a nest of tuples, lists and dicts.
+
+    Waits for: ``torch.utils._pytree`` becoming public (FSDP2 uses it for the same casts)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: fn(t) if torch.is_floating_point(t) else t, tree)

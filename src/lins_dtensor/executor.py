@@ -1,0 +1,216 @@
+"""Lins' own communication at run time: chains of collectives, overlapped with compute.
+
+A :class:`Chain` is the sequence of collectives, and the local copies between them,
+that moves one unit's state from one layout to another: a micro-batch's gradient into
+the G buffer, the G buffer to the OS-layout gradient (reduce-scatter over optim_shard,
+then all-reduce over optim_replica), or the updated masters back to P (all-gathers
+over optim_shard and grad_shard). Chains are submitted where their input is ready
+(a unit's gradient exists, the optimizer has run) and waited for where their result is
+needed (the optimizer step, the unit's next forward); in between they advance on their
+own while the model computes:
+
+* **Issue order.** Every rank must issue the collectives of one process group in the
+  same order. A chain issues its next collective only when no earlier chain still has
+  one to issue on the same mesh dim, so each group sees the chains in submission order,
+  which is the same on every rank; collectives on different groups pass each other.
+* **Progress.** On CPU, gloo runs asynchronous collectives on its own threads; a chain
+  takes its next step when the host finds its collective completed (:meth:`Executor.pump`,
+  run at every Lins hook) or when a consumer blocks on it (:meth:`Executor.wait`). On an
+  accelerator nothing blocks the host: each step is enqueued on the Lins side stream
+  behind a stream wait for the previous collective.
+* **Memory.** A chain holds its transient buffers (packed inputs, gathered outputs)
+  from its first step until it is done (on an accelerator: until the side stream has
+  passed its end). Chains start in submission order, each only while the bytes held
+  stay within ``max_inflight_bytes`` (the oldest is waited for otherwise). Since a
+  chain only ever waits for earlier ones, and every earlier one has started, they
+  cannot wait on each other in a circle.
+
+Chain bodies run without autograd (they move data, never compute on it). Stream
+contract (accelerators). A chain's body runs on the side stream
+(:class:`~lins_dtensor.collectives.CommStream`). At submission the submitter's current
+stream is captured in an event that the side stream waits on before the body's first
+step, so the body sees everything the submitter enqueued (the gradient, the optimizer
+update). Tensors the body reads that were allocated on another stream are marked used
+on the side stream (``CommStream.use_on_side``) so that the allocator keeps them until
+the side stream is past them; buffers the body allocates live on the side stream, and
+c10d keeps the ones a collective uses until its work is waited on. A consumer's
+:meth:`Executor.wait` makes its current stream wait for the chain's end event, and a
+consumer that keeps a side-stream buffer (the optimizer's gradients) marks it used on
+its stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Generator, Sequence
+
+import torch
+
+from lins_dtensor.collectives import CommStream, Flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A chain asks for its next collective: the executor calls ``start`` (on the side
+    stream) when the chain's turn on ``dim`` has come."""
+
+    dim: str
+    start: Callable[[], Flight]
+
+
+Body = Generator[Request, None, None]
+_START = "<start>"  # in the blocked set: an earlier chain has not started, so none after it may
+
+
+class _Phase(enum.Enum):
+    NEW = "new"  # body not started
+    RUNNING = "running"  # holding its buffers: a collective in flight or waiting its turn
+    DONE = "done"
+
+
+class Chain:
+    """One unit's collectives in sequence. ``dims`` lists the mesh dims of the
+    collectives ``body`` will request, in order; ``transient_bytes`` what it allocates
+    and holds until done."""
+
+    def __init__(self, name: str, dims: Sequence[str], body: Body, transient_bytes: int) -> None:
+        self.name = name
+        self.dims = tuple(dims)
+        self.body = body
+        self.transient_bytes = transient_bytes
+        self.phase = _Phase.NEW
+        self.issued = 0  # collectives started
+        self.flight: Flight | None = None
+        self.request: Request | None = None
+        self.ready_event = None  # the submitter's stream at submission (accelerators)
+        self.end_event = None  # the side stream after the body's last step (accelerators)
+        self.timings: list = []
+
+    @property
+    def done(self) -> bool:
+        return self.phase is _Phase.DONE
+
+    def remaining_dims(self) -> tuple[str, ...]:
+        return self.dims[self.issued :]
+
+
+class Executor:
+    """Runs chains in submission order per process group, overlapped with compute."""
+
+    def __init__(self, stream: CommStream, max_inflight_bytes: int) -> None:
+        self.stream = stream
+        self.max_inflight_bytes = max_inflight_bytes
+        self.chains: list[Chain] = []  # not done
+        self.settling: list[Chain] = []  # done on the host, side stream maybe not yet past it
+
+    # ----- submitting and advancing --------------------------------------------------
+    def submit(self, chain: Chain) -> Chain:
+        chain.ready_event = self.stream.event_on_current()
+        self.chains.append(chain)
+        self.pump()
+        return chain
+
+    def pump(self) -> None:
+        """Advance every chain as far as it can go without blocking."""
+        if not self.chains:
+            return
+        blocked: set[str] = set()
+        held = self._held_bytes()
+        for chain in self.chains:
+            held = self._advance(chain, blocked, held)
+            if chain.phase is _Phase.NEW:
+                blocked.add(_START)  # chains start in submission order
+        finished = [c for c in self.chains if c.done]
+        if finished:
+            self.chains = [c for c in self.chains if not c.done]
+            if self.stream.on_device:
+                self.settling.extend(finished)
+
+    def _held_bytes(self) -> int:
+        if self.settling:
+            self.settling = [c for c in self.settling if not c.end_event.query()]
+        return sum(c.transient_bytes for c in self.chains if c.phase is _Phase.RUNNING) + sum(
+            c.transient_bytes for c in self.settling
+        )
+
+    def _advance(self, chain: Chain, blocked: set[str], held: int) -> int:
+        while not chain.done:
+            if chain.flight is not None:
+                if not chain.flight.completed():
+                    break
+                self._resume(chain)
+                if chain.done and not self.stream.on_device:
+                    held -= chain.transient_bytes  # its buffers are free again
+                continue
+            if chain.remaining_dims()[0] in blocked:
+                break
+            if chain.phase is _Phase.NEW:
+                if _START in blocked or (held and held + chain.transient_bytes > self.max_inflight_bytes):
+                    break
+                held += chain.transient_bytes
+                self._resume(chain)
+                continue
+            with self.stream.scope():
+                chain.flight = chain.request.start()
+            chain.timings.append(chain.flight.timing)
+            chain.request = None
+            chain.issued += 1
+        if not chain.done:
+            blocked.update(chain.remaining_dims())
+        return held
+
+    def _resume(self, chain: Chain) -> None:
+        """Run the chain's body up to its next request (or its end), on the side stream,
+        after the collective it waited for."""
+        with torch.no_grad(), self.stream.scope():
+            if chain.flight is not None:
+                chain.flight.join()
+                chain.flight = None
+            else:
+                chain.phase = _Phase.RUNNING
+                self.stream.side_waits(chain.ready_event)
+            try:
+                request = next(chain.body)
+            except StopIteration:
+                chain.phase = _Phase.DONE
+                chain.end_event = self.stream.event_on_side()
+                return
+        if request.dim != chain.dims[chain.issued]:
+            raise RuntimeError(f"Lins chain {chain.name} asked for a collective on {request.dim}, declared {chain.dims[chain.issued]}")
+        chain.request = request
+
+    # ----- waiting -------------------------------------------------------------------
+    def wait(self, chain: Chain | None) -> None:
+        """Block until ``chain`` is done (CPU) or make the caller's stream wait for it
+        (accelerators). Host time spent blocked counts as the waited collective's exposed
+        time."""
+        if chain is None:
+            return
+        while not chain.done:
+            self.pump()
+            if chain.done:
+                break
+            self._block_on_oldest(chain)
+        if self.stream.on_device and chain.end_event is not None:
+            if chain.timings:
+                chain.timings[-1].need_event = self.stream.event_on_current()
+            self.stream.current_waits(chain.end_event)
+
+    def wait_all(self) -> None:
+        for chain in list(self.chains):
+            self.wait(chain)
+
+    def _block_on_oldest(self, chain: Chain) -> None:
+        """Block on the first collective in flight up to ``chain``: the one that must
+        finish before anything else up to it can move."""
+        for other in self.chains:
+            if other.flight is not None:
+                other.flight.join()  # returns at once if it completed since the pump
+                return
+            if other is chain:
+                break
+        if self.settling:  # accelerators: the byte bound waits for the side stream
+            self.settling.pop(0).end_event.synchronize()
+            return
+        raise RuntimeError(f"Lins executor cannot advance chain {chain.name}: nothing in flight ahead of it")

@@ -1,0 +1,482 @@
+"""One unit's parameters in their three layouts, and the chains that move them.
+
+A unit is a group of parameters that is sharded, reduced and updated together (a
+transformer block, the embedding, ...). Its P layout is held by one of two backends:
+
+* :class:`ShardedParams` (s_p > 1): FSDP2 ``fully_shard`` on the param_shard mesh
+  gathers and frees the parameters and reduce-scatters their gradients over the P
+  group; its all-reduce hook hands Lins each micro-batch's P-sharded gradient.
+* :class:`ReplicatedParams` (s_p = 1): plain parameters and no FSDP2, whose hooks,
+  copies and casts would be pure overhead with nothing to gather. Post-accumulate-grad
+  hooks collect the unit's gradients, which go on together once all have arrived (one
+  bucket per unit, as DDP's reducer buckets gradients for its all-reduce).
+
+From there on a :class:`LinsUnit` is the same for both. Every micro-batch its gradient
+goes into the G buffer (reduce-scattered over grad_shard first when G is finer than
+P); on the last micro-batch the G buffer goes on to the OS layout (reduce-scatter over
+optim_shard, all-reduce over optim_replica), the optimizer's gradient; after the
+optimizer step the updated masters are all-gathered back into P. Each of these moves
+is a chain on the executor (:mod:`lins_dtensor.executor`); the collectives and copies
+are those :mod:`lins_dtensor.schedule` describes.
+
+Buffer lifetimes: the G buffer, the masters' flat buffer (the update gather's input)
+and P are persistent. The OS-layout gradient lives from the reduction to the end of
+the optimizer step (it is the G buffer itself when the layouts coincide). Packed
+inputs and gathered outputs live inside their chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from lins_dtensor.collectives import CommRecorder, CommStream, LinsAllGather, LinsReduceScatter, start_all_gather, start_all_reduce, start_reduce_scatter
+from lins_dtensor.compat import foreach_add_, foreach_copy_, fsdp_wait_all_gather_streams, map_floating_tensors
+from lins_dtensor.executor import Body, Chain, Executor, Request
+from lins_dtensor.mesh import GRAD_SHARD, OPTIM_REPLICA, OPTIM_SHARD, LinsMesh, placements
+from lins_dtensor.plan import LinsPlan, LinsPlanError
+from lins_dtensor.schedule import (
+    GRAD_SHARD_REDUCE_SCATTER,
+    OPTIM_ALL_REDUCE,
+    OPTIM_REDUCE_SCATTER,
+    UPDATE_GATHER_GRAD,
+    UPDATE_GATHER_OPTIM,
+    UnitGeometry,
+    chain_buffer_bytes,
+)
+
+# Called with a unit's P-sharded gradient rows and the tensors that keep them alive.
+GradientSink = Callable[[list[torch.Tensor], Sequence[torch.Tensor]], None]
+
+
+@dataclasses.dataclass
+class ShardContext:
+    """What every unit of one model shares: plan, mesh, dtypes and the communication."""
+
+    mesh: LinsMesh
+    plan: LinsPlan
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype
+    gradient_divide_factor: float
+    device: torch.device
+    recorder: CommRecorder
+    stream: CommStream
+    executor: Executor
+
+    def __post_init__(self) -> None:
+        self.coords = {dim: self.mesh.coordinate(dim) for dim in self.mesh.device_mesh.mesh_dim_names}
+        self.replicas = self.mesh.size(OPTIM_REPLICA)
+
+    def group(self, dim: str):
+        return self.mesh.group(dim)
+
+    def empty(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype or self.reduce_dtype, device=self.device)
+
+
+# ----- P backends ------------------------------------------------------------------------
+class ShardedParams:
+    """P sharded s_p ways by FSDP2 ``fully_shard`` on the param_shard mesh."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        self.module = module
+        self.params = params
+
+    def local_shards(self) -> list[torch.Tensor]:
+        """This rank's rows of each parameter, written in place by the update."""
+        return [p.to_local() for p in self.params]
+
+    def attach(self, ctx: ShardContext, sink: GradientSink, geometry: UnitGeometry) -> None:
+        module = self.module
+        module.set_custom_all_gather(LinsAllGather(ctx.recorder))
+        module.set_custom_reduce_scatter(LinsReduceScatter(ctx.recorder))
+        # Sum in the collectives (no AVG / PREMUL_SUM, which gloo lacks); Lins divides
+        # once at the step, after the gradient has been summed over every rank.
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+        # Every parameter's gradient in every reduce, so the buffer layout is fixed.
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+
+        def on_reduced(reduce_output: torch.Tensor) -> None:
+            # FSDP2 runs this on its all-reduce stream with the P-sharded gradient it
+            # allocated on its reduce-scatter stream. It would keep that buffer alive
+            # through the parameters' .grad views, which Lins drops: mark it used here.
+            if reduce_output.numel() != geometry.params.chunk_numel:
+                raise RuntimeError(
+                    f"Lins expected a {geometry.params.chunk_numel}-element gradient shard from FSDP2, got "
+                    f"{reduce_output.numel()}; are some parameters unused without set_reduce_scatter_unused_params?"
+                )
+            ctx.stream.use_on_current(reduce_output)
+            sink(geometry.params.views(reduce_output, geometry.param_index), (reduce_output,))
+
+        module.set_all_reduce_hook(on_reduced)
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(_drop_grad)
+
+    def refresh(self) -> bool:
+        """FSDP2 keeps its sharded parameters itself (across to_empty too)."""
+        return False
+
+    def before_forward(self, updated: object) -> None:
+        """FSDP2's all-gather streams must see the update Lins wrote (accelerators)."""
+        if updated is not None:
+            fsdp_wait_all_gather_streams(self.module, updated)
+
+    def end_backward(self) -> None:
+        """FSDP2 reduces every unit whose forward ran; nothing is left over."""
+
+    def memory_bytes(self) -> int:
+        return sum(p.to_local().untyped_storage().nbytes() for p in self.params)
+
+
+class ReplicatedParams:
+    """P replicated (s_p = 1): the model's own parameters, no FSDP2."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], mp_policy: MixedPrecisionPolicy) -> None:
+        self.module = module
+        self.params = params
+        # Where the model keeps each parameter (module, attribute), to follow it when the
+        # model swaps in a new Parameter (to_empty after meta-device init does).
+        where = {id(p): (m, name) for m in reversed(list(module.modules())) for name, p in m._parameters.items() if p is not None}
+        self._slots = [where[id(p)] for p in params]
+        self._pending: list[torch.Tensor | None] = [None] * len(params)
+        self._arrived = 0
+        self._sink: GradientSink | None = None
+        self._rows: list[tuple[int, int]] = []
+        self._install_casts(module, mp_policy)
+
+    def local_shards(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.params]
+
+    def attach(self, ctx: ShardContext, sink: GradientSink, geometry: UnitGeometry) -> None:
+        self._sink = sink
+        self._rows = list(zip(geometry.params.rows, geometry.params.row_numels))
+        self._hook(range(len(self.params)))
+
+    def _hook(self, indices) -> None:
+        for index in indices:
+            self.params[index].register_post_accumulate_grad_hook(lambda p, i=index: self._arrive(i, p))
+
+    def refresh(self) -> bool:
+        """Follow parameters the model has replaced; True if any were."""
+        replaced = [i for i, ((m, name), p) in enumerate(zip(self._slots, self.params)) if m._parameters.get(name) is not p]
+        for i in replaced:
+            m, name = self._slots[i]
+            new = m._parameters[name]
+            if new.shape != self.params[i].shape or new.dtype != self.params[i].dtype:
+                raise LinsPlanError(
+                    f"parameter '{name}' of {type(m).__name__} was replaced by one of shape {tuple(new.shape)} and dtype "
+                    f"{new.dtype}, Lins holds {tuple(self.params[i].shape)} {self.params[i].dtype}; replace values in place"
+                )
+            self.params[i] = new
+        if replaced and self._sink is not None:
+            self._hook(replaced)
+        return bool(replaced)
+
+    def _arrive(self, index: int, param: nn.Parameter) -> None:
+        # autograd's gradient, taken as it is (no copy); the parameter keeps none.
+        grad, param.grad = param.grad, None
+        if self._pending[index] is None:
+            self._arrived += 1
+            self._pending[index] = grad
+        else:  # a second gradient for it in the same backward (a reentrant backward)
+            self._pending[index] = self._pending[index] + grad
+        if self._arrived == len(self.params):
+            self._release()
+
+    def end_backward(self) -> None:
+        """Send a bucket that some parameters never reached in this backward (unused
+        parameters): their gradient is zero."""
+        if self._arrived:
+            for index, param in enumerate(self.params):
+                if self._pending[index] is None:
+                    self._pending[index] = torch.zeros_like(param)
+            self._release()
+
+    def _release(self) -> None:
+        rows = [g.reshape(r, n) for g, (r, n) in zip(self._pending, self._rows)]
+        keep = tuple(self._pending)
+        self._pending = [None] * len(self.params)
+        self._arrived = 0
+        self._sink(rows, keep)
+
+    def before_forward(self, updated: object) -> None:
+        """Parameters are read on the current stream, which the executor made wait."""
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    @staticmethod
+    def _install_casts(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
+        """The input and output casts FSDP2 would apply under ``mp`` (its other job,
+        storing and computing in ``param_dtype``, the parameters already do)."""
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            dtype = mp.param_dtype
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs: map_floating_tensors(lambda t: t.to(dtype), (args, kwargs)), with_kwargs=True
+            )
+        if mp.output_dtype is not None:
+            out_dtype = mp.output_dtype
+            module.register_forward_hook(lambda m, args, output: map_floating_tensors(lambda t: t.to(out_dtype), output))
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    # FSDP2 ran the all-reduce hook, which took the gradient into the G buffer, before
+    # it assigned .grad; the P-sharded copy is not kept.
+    param.grad = None
+
+
+Backend = ShardedParams | ReplicatedParams
+
+
+# ----- the unit ----------------------------------------------------------------------------
+class LinsUnit:
+    """One unit's P (through its backend), G buffer and fp32 masters, and the chains
+    that move its gradient to the OS layout and its update back to P."""
+
+    def __init__(self, ctx: ShardContext, backend: Backend, name: str, fqns: list[str], is_root: bool) -> None:
+        self.ctx = ctx
+        self.backend = backend
+        self.params = backend.params
+        self.name = name
+        self.fqns = fqns
+        self.is_root = is_root
+        self.geometry = UnitGeometry.build([p.shape for p in self.params], ctx.plan, ctx.coords)
+        g = self.geometry
+        self.buffer_bytes = chain_buffer_bytes(
+            g, param_bytes=ctx.param_dtype.itemsize, reduce_bytes=ctx.reduce_dtype.itemsize, master_bytes=ctx.master_dtype.itemsize
+        )
+        self.grad_buffer = torch.zeros(g.grads.chunk_numel, dtype=ctx.reduce_dtype, device=ctx.device)
+        # fp32 masters on the OS layout: one flat buffer (the update gather's input),
+        # seen as DTensors (what checkpoints hold) and as plain local tensors (what the
+        # optimizer steps; DTensor dispatch on a 4-D mesh would only add per-op
+        # overhead to elementwise updates), all views of the same storage.
+        self.master_flat: torch.Tensor | None = None
+        self.masters: list[nn.Parameter] = []
+        self.local_masters: list[nn.Parameter] = []
+        # Gradient state of the current step.
+        self.g_has_data = False  # the G buffer holds gradient not yet reduced to the OS layout
+        self.os_grad: torch.Tensor | None = None  # reduced OS-layout gradient (summed over ranks)
+        self.os_grad_is_g = False  # ... which is the G buffer itself
+        self.grads_ready = False  # divided and handed to the masters' .grad
+        self.chain: Chain | None = None  # the last chain that reads or writes the G buffer or os_grad
+        self.update: Chain | None = None  # the gather of the last optimizer step's values into P
+
+    # ----- every micro-batch: P-sharded gradient -> G buffer (-> OS layout) ----------------
+    @torch.no_grad()
+    def accumulate(self, p_rows: list[torch.Tensor], sync: bool, keep: Sequence[torch.Tensor] = ()) -> None:
+        """Add one micro-batch's gradient (this rank's P rows, any float dtype) into the
+        G buffer; with ``sync`` (the step's last micro-batch) go on to the OS layout."""
+        ctx, g = self.ctx, self.geometry
+        ctx.executor.wait(self.chain)
+        if self.os_grad_is_g:
+            # More micro-batches after this step's reduction (more than announced): the
+            # reduced gradient moves out of the G buffer, and a second reduction adds to it.
+            self.os_grad, self.os_grad_is_g = self.os_grad.clone(), False
+        if g.grads.k == 1:
+            views = g.grads.views(self.grad_buffer, 0)
+            (foreach_add_ if self.g_has_data else foreach_copy_)(views, p_rows)
+            self.g_has_data = True
+            if sync:
+                self.start_reduction()
+            return
+        ctx.stream.use_on_side(*keep)
+        dims = (GRAD_SHARD, *self._reduction_dims()) if sync else (GRAD_SHARD,)
+        held = self.buffer_bytes["grads"] + (self.buffer_bytes["optim"] if sync else 0)
+        self.chain = ctx.executor.submit(Chain(f"{self.name}:grads", dims, self._grad_body(p_rows, keep, sync, ctx.recorder.step), held))
+
+    def _grad_body(self, p_rows: list[torch.Tensor], keep: Sequence[torch.Tensor], sync: bool, step: int) -> Body:
+        ctx, g = self.ctx, self.geometry
+        packed = g.grads.pack(p_rows, ctx.empty(g.grads.total_numel))
+        del p_rows, keep
+        first = not self.g_has_data
+        out = self.grad_buffer if first else ctx.empty(g.grads.chunk_numel)
+        self.g_has_data = True
+        yield Request(GRAD_SHARD, lambda: start_reduce_scatter(
+            ctx.recorder, ctx.stream, GRAD_SHARD_REDUCE_SCATTER, out, packed, ctx.group(GRAD_SHARD), step))
+        del packed
+        if not first:
+            self.grad_buffer.add_(out)
+        if sync:
+            yield from self._reduction_body(step)
+
+    def _reduction_dims(self) -> tuple[str, ...]:
+        sizes = ((OPTIM_SHARD, self.geometry.optim.k), (OPTIM_REPLICA, self.ctx.replicas))
+        return tuple(dim for dim, size in sizes if size > 1)
+
+    def start_reduction(self) -> None:
+        """The G buffer -> the OS layout, summed over every rank (asynchronously)."""
+        self.ctx.executor.wait(self.chain)
+        if not self.g_has_data:
+            return
+        dims = self._reduction_dims()
+        if dims:
+            body = self._reduction_body(self.ctx.recorder.step)
+            self.chain = self.ctx.executor.submit(Chain(f"{self.name}:optim", dims, body, self.buffer_bytes["optim"]))
+        else:
+            _run_local(self._reduction_body(self.ctx.recorder.step))
+
+    def _reduction_body(self, step: int) -> Body:
+        ctx, g = self.ctx, self.geometry
+        g_rows = g.grads.views(self.grad_buffer, g.grad_index)
+        self.g_has_data = False
+        out_is_g = False
+        if g.optim.k > 1:
+            packed = g.optim.pack(g_rows, ctx.empty(g.optim.total_numel))
+            out = ctx.empty(g.optim.chunk_numel)
+            yield Request(OPTIM_SHARD, lambda: start_reduce_scatter(
+                ctx.recorder, ctx.stream, OPTIM_REDUCE_SCATTER, out, packed, ctx.group(OPTIM_SHARD), step))
+            del packed
+        elif g.os_is_g_chunk and self.os_grad is None:
+            out, out_is_g = self.grad_buffer, True
+        else:
+            out = g.optim.pack(g_rows, ctx.empty(g.optim.chunk_numel))
+        if ctx.replicas > 1:
+            yield Request(OPTIM_REPLICA, lambda: start_all_reduce(
+                ctx.recorder, ctx.stream, OPTIM_ALL_REDUCE, out, ctx.group(OPTIM_REPLICA), step))
+        if self.os_grad is None:
+            self.os_grad, self.os_grad_is_g = out, out_is_g
+        else:
+            self.os_grad.add_(out)
+
+    # ----- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def finalize_grads(self) -> None:
+        """Wait for this step's reduction and hand the masters their gradients."""
+        if self.grads_ready:
+            return
+        ctx, g = self.ctx, self.geometry
+        ctx.executor.wait(self.chain)
+        self.grads_ready = True
+        if self.os_grad is None:  # no gradient reached this unit in this step
+            return
+        ctx.stream.use_on_current(self.os_grad)
+        if ctx.gradient_divide_factor != 1.0:
+            self.os_grad.div_(ctx.gradient_divide_factor)
+        views = g.grads.views(self.os_grad, g.grad_index) if self.os_grad_is_g else g.optim.views(self.os_grad, g.optim_index)
+        for master, view, shape in zip(self.local_masters, views, g.local_shapes("optim")):
+            grad = view.view(shape)
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+
+    def end_step(self) -> None:
+        """After the optimizer: the step's gradient is consumed."""
+        for master in self.local_masters:
+            master.grad = None
+        self.os_grad, self.os_grad_is_g, self.grads_ready = None, False, False
+
+    # ----- after the step: masters -> P ---------------------------------------------------------
+    def _update_dims(self) -> tuple[str, ...]:
+        g = self.geometry
+        return tuple(dim for dim, k in ((OPTIM_SHARD, g.optim.k), (GRAD_SHARD, g.grads.k)) if k > 1)
+
+    @torch.no_grad()
+    def start_update(self) -> None:
+        """All-gather the updated masters back into P (asynchronously; the unit's next
+        forward waits for it)."""
+        self.ctx.executor.wait(self.update)
+        dims = self._update_dims()
+        if dims:
+            body = self._update_body(self.ctx.recorder.step)
+            self.update = self.ctx.executor.submit(Chain(f"{self.name}:update", dims, body, self.buffer_bytes["update"]))
+        else:
+            _run_local(self._update_body(self.ctx.recorder.step))
+            self.update = None
+
+    def _update_body(self, step: int) -> Body:
+        ctx, g = self.ctx, self.geometry
+        dtype = ctx.param_dtype
+        src = self.master_flat if dtype == self.master_flat.dtype else self.master_flat.to(dtype)
+        p_dests = self.backend.local_shards()
+        if g.optim.k > 1:
+            gathered = ctx.empty(g.optim.total_numel, dtype)
+            yield Request(OPTIM_SHARD, lambda: start_all_gather(
+                ctx.recorder, ctx.stream, UPDATE_GATHER_OPTIM, gathered, src, ctx.group(OPTIM_SHARD), step))
+        if g.grads.k > 1:
+            if g.os_is_g_chunk:
+                chunk = src
+            else:
+                chunk = ctx.empty(g.grads.chunk_numel, dtype)
+                dests = g.grads.views(chunk, g.grad_index)
+                if g.optim.k > 1:
+                    g.optim.unpack_into(gathered, dests)
+                    del gathered
+                else:
+                    foreach_copy_(dests, g.optim.views(src, g.optim_index))
+            full = ctx.empty(g.grads.total_numel, dtype)
+            yield Request(GRAD_SHARD, lambda: start_all_gather(
+                ctx.recorder, ctx.stream, UPDATE_GATHER_GRAD, full, chunk, ctx.group(GRAD_SHARD), step))
+            g.grads.unpack_into(full, p_dests)
+        elif g.optim.k > 1:
+            g.optim.unpack_into(gathered, p_dests)
+        else:
+            rows = g.optim.views(src, g.optim_index)
+            foreach_copy_([d.view(r.shape) for d, r in zip(p_dests, rows)], rows)
+
+    def wait_update(self) -> None:
+        """Make the caller wait until P holds the last optimizer step's values."""
+        if self.update is not None:
+            self.ctx.executor.wait(self.update)
+            self.backend.before_forward(self.update.end_event)
+            self.update = None
+
+    # ----- masters ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_masters(self, full_values: dict[str, torch.Tensor] | None) -> None:
+        """fp32 masters on the OS layout: from the unsharded values if given, else from P."""
+        ctx, g = self.ctx, self.geometry
+        meta = any(p.is_meta for p in self.params)
+        flat = torch.zeros(g.optim.chunk_numel, dtype=ctx.master_dtype, device="meta" if meta else ctx.device)
+        views = g.optim.views(flat, g.optim_index)
+        masters, local_masters = [], []
+        shards = self.backend.local_shards()
+        for fqn, param, shard, view, start, shape, p_start in zip(
+            self.fqns, self.params, shards, views, g.row_starts("optim"), g.local_shapes("optim"), g.row_starts("params")
+        ):
+            if full_values is not None and fqn in full_values:
+                source = full_values[fqn]
+            else:
+                source, start = shard, start - p_start
+            if not meta:
+                view.copy_(source.detach().reshape(-1, *param.shape[1:]).narrow(0, start, shape[0]).reshape(view.shape))
+            local = view.view(shape)
+            dtensor = DTensor.from_local(local, ctx.mesh.device_mesh, placements("optim"), run_check=False, shape=param.shape, stride=param.stride())
+            masters.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
+            local_masters.append(nn.Parameter(local, requires_grad=param.requires_grad))
+        self.master_flat, self.masters, self.local_masters = flat, masters, local_masters
+
+    @torch.no_grad()
+    def load_masters(self, state_dict: dict, prefix: str) -> bool:
+        """Copy checkpoint values for this unit into its masters; True if any were present."""
+        found = False
+        g = self.geometry
+        for fqn, master, start, shape in zip(self.fqns, self.masters, g.row_starts("optim"), g.local_shapes("optim")):
+            value = state_dict.get(prefix + fqn)
+            if value is None:
+                continue
+            found = True
+            if value is master:  # loaded in place, e.g. by torch.distributed.checkpoint
+                continue
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if tuple(value.shape) != tuple(master.shape):
+                raise LinsPlanError(f"checkpoint entry '{prefix + fqn}' has shape {tuple(value.shape)}, the model {tuple(master.shape)}")
+            master.to_local().copy_(value.narrow(0, start, shape[0]))  # shared with local_masters
+        return found
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Persistent bytes of this unit's P, G and masters (optimizer states apart)."""
+        masters = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
+        return {"params": self.backend.memory_bytes(), "grads": self.grad_buffer.numel() * self.grad_buffer.element_size(), "optim": masters}
+
+
+def _run_local(body: Body) -> None:
+    """Run a chain body that issues no collective (its levels are all one rank wide)."""
+    for request in body:
+        raise RuntimeError(f"Lins: a local-only move asked for a collective on {request.dim}")
+
