@@ -38,13 +38,33 @@ def overlap_runs():
 
 
 @pytest.fixture(scope="session")
+def async_runs():
+    """The overlapped executor as a trainer uses it: Lins told M up front, so the last
+    micro-batch reduces during its backward and the update gathers run until the next
+    forward; every valid plan at world 4, M in {1, 3}, with and without clipping. Plus
+    the count learned from the previous step, a count told too small, and a byte bound
+    that lets one chain run at a time."""
+    plans = valid_plans(4, 2, with_hpz=True)
+    configs = [c for clip in (True, False) for c in _configs(plans, 2, mode="told", clip=clip)]
+    configs += _configs(["p=1,g=1,os=4", "p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"], 2, microbatches=(3,), mode="learned")
+    configs += _configs(["p=1,g=2,os=4", "p=2,g=4,os=4"], 2, microbatches=(3,), mode="told", told_steps=2)
+    configs += _configs(["p=1,g=2,os=4", "p=2,g=4,os=4", "ddp"], 2, mode="told", max_inflight_bytes=1)
+    return run(train_lins, 4, configs)
+
+
+@pytest.fixture(scope="session")
 def world8_runs():
-    return run(train_lins, 8, _configs(WORLD8_PLANS, 4))
+    return run(train_lins, 8, _configs(WORLD8_PLANS, 4) + _configs(WORLD8_PLANS, 4, mode="told"))
 
 
 @pytest.fixture(scope="session")
 def references():
     return {(world, m): reference(world, m, STEPS) for world in (4, 8) for m in (1, 3)}
+
+
+@pytest.fixture(scope="session")
+def references_without_clipping():
+    return {m: reference(4, m, STEPS, clip=False) for m in (1, 3)}
 
 
 @pytest.fixture(scope="session")

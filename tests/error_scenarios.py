@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 
-from lins_dtensor import LinsPlan, LinsPlanError, apply_lins, build_lins_mesh
+from lins_dtensor import (
+    LinsPlan,
+    LinsPlanError,
+    apply_lins,
+    build_lins_mesh,
+    set_gradient_accumulation_steps,
+    set_reduce_in_backward,
+    set_requires_gradient_sync,
+)
+from lins_dtensor.runtime import lins_state
 from tiny_llama import build_model
 
 
@@ -38,4 +49,14 @@ def misuse_messages() -> dict[str, str]:
     out["already_fsdp"] = _message(lambda: apply_lins(fsdp_model, mesh))
     ddp_model = torch.nn.parallel.DistributedDataParallel(build_model())
     out["ddp_wrapped"] = _message(lambda: apply_lins(ddp_model, mesh))
+    out["accumulation_steps"] = _message(lambda: set_gradient_accumulation_steps(twice, 0))
+    out["gradient_sync"] = _message(lambda: set_requires_gradient_sync(twice, "yes"))
+    out["inflight_bytes"] = _message(lambda: apply_lins(build_model(), mesh, max_inflight_bytes=-1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        set_reduce_in_backward(twice, True)
+    deprecated = [w for w in caught if issubclass(w.category, FutureWarning)]
+    out["set_reduce_in_backward"] = (
+        f"warns: {deprecated[0].message}; syncs: {lins_state(twice).requires_gradient_sync}" if deprecated else "no warning"
+    )
     return out

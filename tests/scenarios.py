@@ -3,6 +3,7 @@ plain data for the tests to check."""
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
@@ -10,7 +11,16 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 
-from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh, clip_grad_norm_, lins_optimizer, lins_stats, set_reduce_in_backward
+from lins_dtensor import (
+    LinsPlan,
+    apply_lins,
+    build_lins_mesh,
+    clip_grad_norm_,
+    lins_optimizer,
+    lins_stats,
+    set_gradient_accumulation_steps,
+    set_requires_gradient_sync,
+)
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import state_memory_bytes, step_collectives
 from tiny_llama import batch, build_model, loss_fn
@@ -22,7 +32,7 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
 
 
-def reference(world_size: int, microbatches: int, steps: int, model_kwargs: dict | None = None) -> dict:
+def reference(world_size: int, microbatches: int, steps: int, model_kwargs: dict | None = None, clip: bool = True) -> dict:
     """Single-process fp32 training on the union of every rank's data."""
     model = build_model(**(model_kwargs or {}))
     opt = _optimizer([p for p in model.parameters() if p.requires_grad])
@@ -30,7 +40,8 @@ def reference(world_size: int, microbatches: int, steps: int, model_kwargs: dict
         for rank in range(world_size):
             for mb in range(microbatches):
                 (loss_fn(model, batch(step, rank, mb)) / (microbatches * world_size)).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -46,7 +57,11 @@ def _record_key(r):
 
 
 def train_lins(configs: list[dict]) -> list[dict]:
-    """Each config: plan, microbatches, steps, ranks_per_node, param_dtype (optional)."""
+    """Each config: plan, microbatches, steps, ranks_per_node; optional param_dtype,
+    model_kwargs, clip (default True), max_inflight_bytes, and how Lins learns which
+    micro-batch is the last: mode "explicit" (default: set_requires_gradient_sync before
+    each micro-batch, True on the last one only with reduce_in_backward), "told"
+    (set_gradient_accumulation_steps(told_steps or M) once) or "learned" (nothing)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
@@ -55,23 +70,30 @@ def train_lins(configs: list[dict]) -> list[dict]:
         frozen_before = model.pos.detach().clone()
         mesh = build_lins_mesh(plan, ranks_per_node=cfg["ranks_per_node"], device_type="cpu")
         param_dtype = cfg.get("param_dtype")
-        apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+        apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+                   max_inflight_bytes=cfg.get("max_inflight_bytes"))
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-        mbs = cfg["microbatches"]
+        mbs, mode, clip = cfg["microbatches"], cfg.get("mode", "explicit"), cfg.get("clip", True)
         reduce_in_backward = cfg.get("reduce_in_backward", False)
-        for step in range(cfg["steps"]):
-            for mb in range(mbs):
-                set_reduce_in_backward(model, reduce_in_backward and mb == mbs - 1)
-                (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
-            clip_grad_norm_(model, MAX_NORM)
-            opt.step()
-            opt.zero_grad()
+        if mode == "told":
+            set_gradient_accumulation_steps(model, cfg.get("told_steps", mbs))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(cfg["steps"]):
+                for mb in range(mbs):
+                    if mode == "explicit":
+                        set_requires_gradient_sync(model, reduce_in_backward and mb == mbs - 1)
+                    (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
+                if clip:
+                    clip_grad_norm_(model, MAX_NORM)
+                opt.step()
+                opt.zero_grad()
         state = lins_state(model)
         stats = lins_stats(model)
         pdt = param_dtype or torch.float32
         expected = step_collectives(
             plan, state.schedule(), world_size=world, ranks_per_node=cfg["ranks_per_node"], microbatches=mbs,
-            param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, clip_grad_norm=True,
+            param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, clip_grad_norm=clip,
         )
         counted = Counter(_record_key(r) for r in stats.collectives)
         predicted = Counter()
@@ -96,6 +118,9 @@ def train_lins(configs: list[dict]) -> list[dict]:
             "frozen_unchanged": bool(torch.equal(model.pos.detach().float(), frozen_before.to(model.pos.dtype).float())),
             "per_rank": per_rank,
             "records": counted,
+            "comm_time": stats.comm_time(),
+            "scalars": stats.scalars(),
+            "lins_warnings": [str(w.message) for w in caught if str(w.message).startswith("lins:")],
         })
     return results
 

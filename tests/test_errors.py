@@ -24,6 +24,10 @@ def messages():
         ("applied_twice", "already applied"),
         ("already_fsdp", "module 'layers.0' is already sharded by FSDP"),
         ("ddp_wrapped", "DistributedDataParallel"),
+        ("accumulation_steps", "gradient_accumulation_steps=0 must be a positive integer or None"),
+        ("gradient_sync", "requires_gradient_sync='yes' must be True, False or None"),
+        ("inflight_bytes", "max_inflight_bytes=-1 must be a non-negative integer or None"),
+        ("set_reduce_in_backward", "set_requires_gradient_sync(model, enabled) is the direct replacement; syncs: True"),
     ],
 )
 def test_misuse_raises_clear_error(messages, case, expected):

@@ -31,10 +31,71 @@ def test_world8_plans_match_fp32_reference(world8_runs, references):
     # 1.2e-5 from the single-process reference on one weight after 3 AdamW steps with
     # M = 3 (Adam divides by a small second moment there); Lins' fsdp plan is bitwise
     # equal to stock FSDP2. A wrong reduction is off by 1e-3 or more.
+    at_step = {_key(r["config"]): r for r in world8_runs if r["config"].get("mode", "explicit") == "explicit"}
     for run in world8_runs:
         cfg = run["config"]
         err = worst_rel_err(run["masters"], references[(8, cfg["microbatches"])])
         assert err < 3e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
+        if cfg.get("mode") == "told":  # the overlapped executor: the step path's bits
+            for name, value in run["masters"].items():
+                assert torch.equal(value, at_step[_key(cfg)]["masters"][name]), f"{cfg['plan']} M={cfg['microbatches']}: {name}"
+
+
+def _key(cfg: dict) -> tuple:
+    return cfg["plan"], cfg["microbatches"]
+
+
+def test_overlapped_executor_is_bitwise_the_step_path(async_runs, world4_runs, references, references_without_clipping):
+    """Reductions overlapped with the last backward and update gathers with the next
+    forward give the very bits of reductions and gathers at the step, with and without
+    clipping; bytes and memory are the schedule's on every rank."""
+    at_step = {_key(r["config"]): r for r in world4_runs}
+    told = [r for r in async_runs if r["config"]["mode"] == "told" and "told_steps" not in r["config"]
+            and "max_inflight_bytes" not in r["config"]]
+    assert len(told) == 88
+    for run in told:
+        cfg = run["config"]
+        if cfg["clip"]:
+            for name, value in run["masters"].items():
+                assert torch.equal(value, at_step[_key(cfg)]["masters"][name]), f"{cfg['plan']} M={cfg['microbatches']}: {name}"
+        else:
+            err = worst_rel_err(run["masters"], references_without_clipping[cfg["microbatches"]])
+            assert err < 1e-5, f"{cfg['plan']} M={cfg['microbatches']} without clipping: relative error {err:.2e}"
+        for name, value in run["params"].items():
+            assert torch.equal(value, run["masters"][name]), f"{cfg}: {name} P != OS master"
+        for rank, info in enumerate(run["per_rank"]):
+            assert info["bytes_match"], f"{cfg} rank {rank}: counted {info['counted']} predicted {info['predicted']}"
+            assert info["memory"] == info["memory_expected"], cfg
+
+
+def test_learned_or_miscounted_microbatches_and_a_tight_byte_bound_change_nothing(async_runs, world4_runs):
+    """Learning M from the previous step (the first step reduces at the optimizer), a
+    count told too small (the extra backward reduces again, with one warning) and a byte
+    bound that serialises every chain all give the bits of the step path."""
+    at_step = {_key(r["config"]): r for r in world4_runs}
+    others = [r for r in async_runs if r["config"]["mode"] == "learned" or "told_steps" in r["config"] or "max_inflight_bytes" in r["config"]]
+    assert len(others) == 4 + 2 + 6
+    for run in others:
+        cfg = run["config"]
+        for name, value in run["masters"].items():
+            assert torch.equal(value, at_step[_key(cfg)]["masters"][name]), f"{cfg}: {name}"
+        if "told_steps" in cfg:
+            assert len(run["lins_warnings"]) == 1 and "backward pass 3" in run["lins_warnings"][0], run["lins_warnings"]
+        else:
+            assert run["lins_warnings"] == [], run["lins_warnings"]
+            assert all(info["bytes_match"] for info in run["per_rank"]), cfg
+
+
+def test_lins_stats_splits_collective_time_into_exposed_and_hidden(async_runs):
+    run = next(r for r in async_runs if r["config"]["plan"] == "p=1,g=2,os=4" and r["config"]["mode"] == "told")
+    comm = run["comm_time"]
+    assert set(comm) == {"grads", "optim"}  # P is replicated: FSDP2 and its collectives are gone
+    for state in ("grads", "optim"):
+        assert comm[state]["exposed"] >= 0 and comm[state]["hidden"] >= 0 and comm[state]["unmeasured"] == 0
+        assert comm[state]["exposed"] + comm[state]["hidden"] > 0
+    scalars = run["scalars"]
+    assert {"lins/comm/exposed_s/optim", "lins/comm/hidden_s/optim", "lins/comm_seconds"} <= set(scalars)
+    assert scalars["lins/comm_seconds"] == pytest.approx(comm["grads"]["exposed"] + comm["optim"]["exposed"])
 
 
 def test_reduce_in_backward_matches_reference_and_bytes(overlap_runs, references):

@@ -101,6 +101,7 @@ class Built:
     end_step: object  # callable() -> None
     state_bytes: object  # callable() -> dict
     microbatch_context: object = None  # callable(mb, M) -> context manager
+    comm_time: object = None  # callable() -> exposed / hidden seconds per state (Lins)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -163,7 +164,7 @@ class Strategies:
     def lins(self, plan_text: str) -> Built:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        from lins_dtensor import LinsPlan, apply_lins, clip_grad_norm_, lins_optimizer, lins_stats
+        from lins_dtensor import LinsPlan, apply_lins, clip_grad_norm_, lins_optimizer, lins_stats, set_gradient_accumulation_steps
         from lins_dtensor.runtime import lins_state
 
         plan = LinsPlan.parse(plan_text, self.world)
@@ -171,12 +172,21 @@ class Strategies:
         model = build_model(self.args.model)
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1, foreach=True)
+
+        def context(mb: int, m_total: int):
+            # The trainer tells Lins the step's micro-batch count, as torchtitan's
+            # integration does, so the last one reduces during its backward.
+            set_gradient_accumulation_steps(model, m_total)
+            return contextlib.nullcontext()
+
         return Built(
             model, opt,
             clip=lambda: clip_grad_norm_(model, MAX_NORM),
             records=lambda: lins_stats(model).collectives,
             end_step=lambda: None,  # the Lins optimizer hook ends the recorder's step
             state_bytes=lambda: dict(lins_state(model).memory_bytes()),
+            microbatch_context=context,
+            comm_time=lambda: lins_stats(model).comm_time(),
         )
 
     # ----- FSDP2 family (torchtitan-style units) ------------------------------------------------
@@ -319,6 +329,7 @@ class Instance:
             "state_bytes": self.state_bytes.get(microbatches, {}),
             "records": self.records[microbatches],
             "last_loss": self.losses.get(microbatches),
+            "comm_time": self.built.comm_time() if self.built.comm_time else None,
         }
 
 
@@ -347,29 +358,42 @@ def link_bytes(records) -> dict:
 
 # ----- calibration and the planner ---------------------------------------------------------------
 def calibrate(args, rank: int, world: int, rpn: int) -> dict:
-    """This machine as the planner sees it, measured while every rank does the same work
-    (no communication): the compute rate (forward + backward of one micro-batch), the
-    optimizer rate (an AdamW step over the whole model), the copy rate (a model-sized
-    copy), and the host time the runtime adds per unit (the same forward + backward
-    under ``apply_lins`` with the ddp plan, whose P and G are replicated so that nothing
-    is communicated before the step, less the copies the planner counts for it)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    """This machine as the planner sees it, measured while every rank does the same work:
+
+    * the compute rate (forward + backward of one micro-batch), the optimizer rate (an
+      AdamW step over the whole model) and the copy rate (a model-sized copy);
+    * the host time per unit and micro-batch of FSDP2 (the same forward + backward with
+      ``fully_shard`` on one-rank groups, which gather nothing) and of Lins where P is
+      replicated (under ``apply_lins`` with the ddp plan, which communicates nothing
+      before the step), each less the copies the planner counts for it;
+    * how much compute an asynchronous collective hides behind (Lins' executor): an
+      all-reduce across the nodes, of the size each rank reduces under os=<node size>,
+      alone, two forward + backward passes alone, and the two at once.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh
     from lins_dtensor.planner.cost import model_flops_per_token
     from lins_dtensor.planner.memory import rank0_units
     from lins_dtensor.planner.models import model_from_module
+    from lins_dtensor.runtime import default_units
     from lins_dtensor.schedule import local_copy_bytes
 
     ma = MODEL_SIZES[args.model]
-    model, sharded = build_model(args.model), build_model(args.model)
+    model, replicated_model, fsdp_model = (build_model(args.model) for _ in range(3))
     spec = model_from_module(model, name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
     replicated = LinsPlan.parse("ddp", world)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    apply_lins(sharded, build_lins_mesh(replicated, ranks_per_node=rpn, device_type="cpu"), mp_policy=fp32)
+    mesh = build_lins_mesh(replicated, ranks_per_node=rpn, device_type="cpu")
+    apply_lins(replicated_model, mesh, mp_policy=fp32)
+    for unit in [*default_units(fsdp_model), fsdp_model]:
+        fully_shard(unit, mesh=mesh.param_mesh(), mp_policy=fp32)  # one-rank groups: FSDP2's host work alone
     numel = sum(p.numel() for p in model.parameters())
     src, dst = torch.randn(numel), torch.empty(numel)
+    nodes = world // rpn
+    cross = [dist.new_group([local + n * rpn for n in range(nodes)]) for local in range(rpn)][rank % rpn]
+    message = torch.zeros(numel // rpn)
 
     def timed(fn) -> float:
         dist.barrier()
@@ -380,38 +404,72 @@ def calibrate(args, rank: int, world: int, rpn: int) -> dict:
     def forward_backward(net: nn.Module, i: int):
         return lambda: loss_fn(net, batch(99, rank, i, ma.vocab_size, args.seq_len, args.batch_size)).backward()
 
-    samples: dict[str, list[float]] = {"plain": [], "step": [], "copy": [], "lins": []}
+    def compute_twice():
+        forward_backward(model, 0)()
+        forward_backward(model, 1)()
+
+    def both():
+        work = dist.all_reduce(message, group=cross, async_op=True)
+        compute_twice()
+        work.wait()
+
+    samples: dict[str, list[float]] = {k: [] for k in ("plain", "step", "copy", "lins", "fsdp", "comm", "compute2", "both")}
     for i in range(4):
-        plain = timed(forward_backward(model, i))
-        step = timed(opt.step)
-        opt.zero_grad(set_to_none=True)
-        copy = timed(lambda: dst.copy_(src))
-        lins = timed(forward_backward(sharded, i))
-        sharded.zero_grad(set_to_none=True)
+        values = {
+            "plain": timed(forward_backward(model, i)),
+            "step": timed(opt.step),
+            "copy": timed(lambda: dst.copy_(src)),
+            "lins": timed(forward_backward(replicated_model, i)),
+            "fsdp": timed(forward_backward(fsdp_model, i)),
+            "comm": timed(lambda: dist.all_reduce(message, group=cross)),
+            "compute2": timed(compute_twice),
+            "both": timed(both),
+        }
+        for net in (model, replicated_model, fsdp_model):
+            net.zero_grad(set_to_none=True)
         if i:  # the first round warms allocators and caches
-            for key, value in zip(samples, (plain, step, copy, lins)):
+            for key, value in values.items():
                 samples[key].append(value)
     worst = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    fb_s, step_s, copy_s, lins_s = (float(v) for v in worst)
+    t = dict(zip(samples, (float(v) for v in worst)))
     flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
-    copy_bytes_per_s = 2 * numel * 4 / copy_s
+    copy_bytes_per_s = 2 * numel * 4 / t["copy"]
     units = rank0_units(spec, replicated)
     copies = local_copy_bytes(replicated, units, microbatches=1, param_bytes=4, reduce_bytes=4)
-    copies = copies["forward"] + copies["backward"]
-    overhead = lins_s - fb_s - copies / copy_bytes_per_s
+    replicated_copies = copies["forward"] + copies["backward"]  # its gradients into the G buffers
+    # FSDP2 on one rank copies each unit into its all-gather input and out again, in
+    # forward and in the re-gather of backward, and its gradient into the reduce-scatter
+    # input and out (12 passes of the model's bytes; cf. schedule.local_copy_bytes).
+    fsdp_copies = 12 * numel * 4
+    hidden = t["comm"] + t["compute2"] - t["both"]
     return {
-        "forward_backward_s": fb_s,
-        "optimizer_step_s": step_s,
-        "copy_s": copy_s,
-        "lins_forward_backward_s": lins_s,
+        "forward_backward_s": t["plain"],
+        "optimizer_step_s": t["step"],
+        "copy_s": t["copy"],
+        "lins_forward_backward_s": t["lins"],
+        "fsdp_forward_backward_s": t["fsdp"],
         "flops_per_microbatch": flops,
-        "flops_per_s": flops / fb_s,
+        "flops_per_s": flops / t["plain"],
         # The planner's optimizer model: numel * (2 * 4 * (1 + 2) + 4) bytes at hbm_bw.
-        "optimizer_bytes_per_s": numel * (2 * 4 * 3 + 4) / step_s,
+        "optimizer_bytes_per_s": numel * (2 * 4 * 3 + 4) / t["step"],
         "copy_bytes_per_s": copy_bytes_per_s,
-        "unit_overhead_s": max(0.0, overhead / len(units)),
+        "unit_overhead_s": max(0.0, (t["fsdp"] - t["plain"] - fsdp_copies / copy_bytes_per_s) / len(units)),
+        "replicated_unit_overhead_s": max(0.0, (t["lins"] - t["plain"] - replicated_copies / copy_bytes_per_s) / len(units)),
+        "overlap_probe": {"all_reduce_s": t["comm"], "compute_s": t["compute2"], "both_s": t["both"], "message_bytes": message.numel() * 4},
+        "lins_overlap_fraction": min(1.0, max(0.0, hidden / min(t["comm"], t["compute2"]))),
     }
+
+
+class Overlap(NamedTuple):
+    """An overlap model of the planner: how much compute hides FSDP2's per-micro-batch
+    collectives, and Lins' asynchronous ones (TrainingSpec's two fractions)."""
+
+    fsdp: float
+    lins: float
+
+    def __str__(self) -> str:
+        return f"FSDP2 {self.fsdp:g} / Lins {self.lins:g}"
 
 
 @dataclasses.dataclass
@@ -422,6 +480,8 @@ class Planning:
     world: int
     rpn: int
     args: object
+    run_overlap: Overlap  # the run's: FSDP2 blocks on CPU, Lins' as calibrated
+    reference_overlap: Overlap  # the planner's GPU defaults
 
     def cluster(self, budget_gib: float | None):
         from lins_dtensor.planner import ClusterSpec
@@ -429,28 +489,28 @@ class Planning:
         budget = math.inf if budget_gib is None else budget_gib * GiB
         return ClusterSpec(self.world, self.rpn, self.hardware, self.table, budget)
 
-    def training(self, microbatches: int, overlap_fraction: float):
+    def training(self, microbatches: int, overlap: Overlap):
         from lins_dtensor.planner import TrainingSpec
 
         a = self.args
         return TrainingSpec(
             seq_len=a.seq_len, micro_batch=a.batch_size, global_batch_tokens=a.seq_len * a.batch_size * self.world * microbatches,
             param_bytes=4, reduce_bytes=4, master_bytes=4, activation_bytes=4, clip_grad_norm=True,
-            overlap=overlap_fraction > 0, overlap_fraction=overlap_fraction,
+            overlap_fraction=overlap.fsdp, lins_overlap_fraction=overlap.lins,
         )
 
-    def choose(self, microbatches: int, budget_gib: float | None, overlap_fraction: float) -> dict:
+    def choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap) -> dict:
         """Rank 0's choice, sent to every rank: each rank building a different plan from a
         near-tie would deadlock the first collective that only some of them issue."""
-        choice = [self._choose(microbatches, budget_gib, overlap_fraction) if dist.get_rank() == 0 else None]
+        choice = [self._choose(microbatches, budget_gib, overlap) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _choose(self, microbatches: int, budget_gib: float | None, overlap_fraction: float) -> dict:
+    def _choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap) -> dict:
         from lins_dtensor.planner import PlannerError, choose_plan
 
         try:
-            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap_fraction))
+            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap))
         except PlannerError as exc:
             return {"plan": None, "error": str(exc)}
         return {
@@ -460,65 +520,66 @@ class Planning:
             "top5": [{"plan": str(c.plan), "step_s": c.step_s} for c in ex.ranked[:5]],
         }
 
-    def predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool = False, fsdp_hooks: bool = True) -> dict:
-        """The planner's prediction with the run's overlap fraction, plus the reference one's step time."""
-        a = self.args
-        out = self._predict(plan_text, microbatches, extra_backward_all_reduce, fsdp_hooks, a.overlap_fraction)
-        out["step_s_reference"] = self._predict(plan_text, microbatches, extra_backward_all_reduce, fsdp_hooks, a.reference_overlap_fraction)["step_s"]
+    def predict(self, microbatches: int, eq: "Equivalent") -> dict:
+        """The planner's prediction with the run's overlap model, plus the reference one's step time."""
+        out = self._predict(microbatches, eq, self.run_overlap)
+        out["step_s_reference"] = self._predict(microbatches, eq, self.reference_overlap)["step_s"]
         return out
 
-    def _predict(self, plan_text: str, microbatches: int, extra_backward_all_reduce: bool, fsdp_hooks: bool, overlap_fraction: float) -> dict:
-        """The planner's cost of ``plan_text``; ``extra_backward_all_reduce`` adds stock
-        HSDP's all-reduce of every micro-batch but the last (the Lins plan hsdp:k has
-        it once per step) to the backward collectives the planner times and hides;
-        ``fsdp_hooks=False`` drops the host time per unit and the local copies of FSDP2 and
-        Lins (DDP has neither; its own bucket copies are not modelled)."""
+    def _predict(self, microbatches: int, eq: "Equivalent", overlap: Overlap) -> dict:
+        """The planner's cost of ``eq.plan`` as run by the strategy ``eq`` describes:
+        stock HSDP has FSDP2 all-reduce (``fsdp2_reductions``), on every micro-batch but the
+        last too (``extra_all_reduce``); DDP has neither FSDP2's nor Lins' host time per
+        unit and copies (``fsdp_hooks=False``; its own bucket copies are not modelled)."""
         from lins_dtensor import LinsPlan
         from lins_dtensor.planner import evaluate
         from lins_dtensor.planner.bandwidth import CollectiveTimer
         from lins_dtensor.planner.memory import rank0_units
         from lins_dtensor.schedule import step_collectives
 
-        plan = LinsPlan.parse(plan_text, self.world)
-        cluster, training = self.cluster(None), self.training(microbatches, overlap_fraction)
-        if not fsdp_hooks:
-            no_fsdp = dataclasses.replace(cluster.hardware, unit_overhead_s=0.0, copy_bw=math.inf)
-            cluster = dataclasses.replace(cluster, hardware=no_fsdp)
+        plan = LinsPlan.parse(eq.plan, self.world)
+        cluster, training = self.cluster(None), self.training(microbatches, overlap)
+        if not eq.fsdp_hooks:
+            bare = dataclasses.replace(cluster.hardware, unit_overhead_s=0.0, replicated_unit_overhead_s=0.0, copy_bw=math.inf)
+            cluster = dataclasses.replace(cluster, hardware=bare)
         timer = CollectiveTimer(cluster.hardware, self.rpn, self.table)
         extra = []
-        if extra_backward_all_reduce and microbatches > 1:
+        if eq.extra_all_reduce and microbatches > 1:
             once = step_collectives(
                 plan, rank0_units(self.spec, plan), world_size=self.world, ranks_per_node=self.rpn, microbatches=1,
                 param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes,
             )
             extra = [dataclasses.replace(r, count=r.count * (microbatches - 1)) for r in once if r.name == "optim_all_reduce"]
-        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra)
+        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions)
         step_s, exposed, comm = cost.step_s, cost.exposed_s, cost.comm_s
         inter_nic, intra = cost.link_bytes("inter"), cost.link_bytes("intra")
         return {
-            "plan": plan_text, "step_s": step_s, "compute_s": cost.compute_s, "comm_s": comm, "exposed_s": exposed,
+            "plan": eq.plan, "step_s": step_s, "compute_s": cost.compute_s, "comm_s": comm, "exposed_s": exposed,
             "memory": cost.memory.gib(), "peak_bytes": cost.memory.peak,
             "state_bytes": {"params": cost.memory.params, "grads": cost.memory.grads, "optim": cost.memory.optim},
             "inter_nic_bytes": inter_nic, "intra_wire_bytes": intra,
         }
 
 
-# The plan the planner costs for each non-Lins strategy (same bytes on the same groups).
+# The plan the planner costs for each strategy (same bytes on the same groups).
 class Equivalent(NamedTuple):
     plan: str
     extra_all_reduce: bool  # stock HSDP: an all-reduce on every micro-batch, not once per step
-    fsdp_hooks: bool  # runs FSDP2's per-unit hooks and copies (the calibrated host time, local_copy_bytes)
+    fsdp_hooks: bool  # runs FSDP2's or Lins' per-unit hooks and copies (calibrated host time, local_copy_bytes)
     note: str
+    fsdp2_reductions: bool = False  # the step reductions are FSDP2's (blocking on CPU), not Lins' chains
 
 
-def equivalent_plan(strategy: str, rpn: int) -> Equivalent:
+def equivalent_plan(strategy: str, rpn: int, plan: str | None = None) -> Equivalent:
+    if strategy in ("lins-planner", "lins-plan"):
+        return Equivalent(plan, False, True, "the planner's own plan" if strategy == "lins-planner" else "a Lins plan given on the command line")
     return {
         "fsdp2": Equivalent("fsdp", False, True, "costed as Lins p=N,g=N,os=N (same collectives)"),
-        "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} plus the all-reduce of micro-batches 1..M-1"),
-        "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} (same collectives)"),
+        "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, on every micro-batch", True),
+        "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, last micro-batch only", True),
         "hpz": Equivalent(f"hpz:{rpn}", False, True, f"costed as hpz:{rpn}"),
-        "ddp": Equivalent("ddp", False, False, "costed as Lins ddp without FSDP2's per-unit host time and copies (one "
-                          "all-reduce per step, exposed; DDP overlaps it with backward)"),
+        "ddp": Equivalent("ddp", False, False, "costed as Lins ddp without per-unit host time and copies (one all-reduce per "
+                          "step, overlapped with the last backward as DDP's buckets are)"),
         "lins-fsdp": Equivalent("fsdp", False, True, ""),
         "lins-zero1": Equivalent("zero1", False, True, ""),
         "lins-zero2": Equivalent("zero2", False, True, ""),
@@ -534,25 +595,28 @@ def parse_args(argv):
     p.add_argument("--microbatches", default="1,4", help="comma list of M (micro-batches per step)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5, help="timed steps per strategy and M")
-    p.add_argument("--strategies", default="all", help=f"comma list of {','.join(STRATEGIES)} or 'all'")
+    p.add_argument("--strategies", default="all", help=f"comma list of {','.join(STRATEGIES)} or 'all'; 'lins:<plan>' "
+                   "adds a Lins plan of your choice (separate with ';' when a plan has commas)")
     p.add_argument("--memory-budget-gib", type=float, default=0.0625,
                    help="per-rank budget the planner must respect (the run also plans with no budget); 0: only unlimited")
     p.add_argument("--bandwidth", required=True, help="table from 'python -m lins_dtensor.planner profile'")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--link-rate", default="", help="the emulated link rate (recorded in the results)")
     p.add_argument("--overlap-fraction", type=float, default=0.0,
-                   help="the planner's overlap_fraction for its plans and predictions; 0 (nothing hides) is how FSDP2 "
-                        "and Lins run on CPU, where there are no CUDA streams to overlap on")
+                   help="the planner's overlap_fraction (FSDP2's collectives) for its plans and predictions; 0 (nothing "
+                        "hides) is how FSDP2 runs on CPU, where it blocks on its collectives")
+    p.add_argument("--lins-overlap-fraction", type=float, default=None,
+                   help="the planner's lins_overlap_fraction (Lins' asynchronous collectives); default: measured at start-up")
     p.add_argument("--reference-overlap-fraction", type=float, default=0.8,
-                   help="a second overlap model (default: the planner's GPU default); every row gets its prediction, "
-                        "and its unlimited-memory pick is measured too")
+                   help="a second overlap model, for FSDP2's and Lins' collectives alike (default: the planner's GPU "
+                        "default); every row gets its prediction, and its unlimited-memory pick is measured too")
     p.add_argument("--skip-reference-plan", action="store_true",
                    help="do not measure the plan picked under --reference-overlap-fraction")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.microbatches = [int(x) for x in str(args.microbatches).split(",") if x.strip()]
-    args.strategies = list(STRATEGIES) if args.strategies == "all" else [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    args.strategies = list(STRATEGIES) if args.strategies == "all" else [s.strip() for s in args.strategies.split(";" if ";" in args.strategies else ",") if s.strip()]
+    unknown = [s for s in args.strategies if s not in STRATEGIES and not s.startswith("lins:")]
     if unknown:
         p.error(f"unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
     if args.steps < 1 or args.warmup < 1 or not args.microbatches or min(args.microbatches) < 1:
@@ -593,23 +657,28 @@ def run(args) -> int:
     calib = calibrate(args, rank, world, rpn)
     log(rank, f"calibration: fwd+bwd {calib['forward_backward_s']:.3f} s/micro-batch -> {calib['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; "
         f"AdamW step {calib['optimizer_step_s']:.3f} s; copies {calib['copy_bytes_per_s'] / 1e9:.2f} GB/s; "
-        f"Lins ddp plan {calib['lins_forward_backward_s']:.3f} s/micro-batch -> {calib['unit_overhead_s'] * 1e3:.1f} ms per unit")
+        f"host time per unit and micro-batch: FSDP2 {calib['unit_overhead_s'] * 1e3:.1f} ms, Lins with P replicated "
+        f"{calib['replicated_unit_overhead_s'] * 1e3:.1f} ms; async collectives hide behind {calib['lins_overlap_fraction']:.2f} "
+        f"of the compute they overlap")
     hw = dataclasses.replace(
         hardware_preset("cpu-emulated"), name="cpu-emulated (calibrated)", ranks_per_node=rpn,
         peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"], copy_bw=calib["copy_bytes_per_s"],
-        unit_overhead_s=calib["unit_overhead_s"],
+        unit_overhead_s=calib["unit_overhead_s"], replicated_unit_overhead_s=calib["replicated_unit_overhead_s"],
     )
     table = BandwidthTable.load(args.bandwidth)
     spec = model_from_module(build_model(args.model), name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
-    planning = Planning(spec, hw, table, world, rpn, args)
+    lins_overlap = calib["lins_overlap_fraction"] if args.lins_overlap_fraction is None else args.lins_overlap_fraction
+    run_overlap = Overlap(args.overlap_fraction, lins_overlap)
+    reference_overlap = Overlap(args.reference_overlap_fraction, args.reference_overlap_fraction)
+    planning = Planning(spec, hw, table, world, rpn, args, run_overlap, reference_overlap)
     budgets = [None] + ([args.memory_budget_gib] if args.memory_budget_gib else [])
 
     choices = {}  # (M, budget label) -> dict
     for m in args.microbatches:
         for b in budgets:
-            choices[(m, budget_label(b))] = planning.choose(m, b, args.overlap_fraction)
+            choices[(m, budget_label(b))] = planning.choose(m, b, run_overlap)
         if not args.skip_reference_plan:
-            choices[(m, reference_label(args))] = planning.choose(m, None, args.reference_overlap_fraction)
+            choices[(m, reference_label(args))] = planning.choose(m, None, reference_overlap)
 
     strategies = Strategies(args, world, rpn)
     from lins_dtensor import LinsPlan
@@ -631,7 +700,10 @@ def run(args) -> int:
         for s in args.strategies:
             if s == "lins-planner" or (s == "hsdp-deferred" and m == 1):
                 continue  # hsdp-deferred is hsdp itself with one micro-batch
-            if s.startswith("lins-"):
+            if s.startswith("lins:"):
+                plan = str(LinsPlan.parse(s[len("lins:"):], world))
+                rows_m.append(("lins-plan", f"Lins, plan {plan}", plan, f"lins:{plan}"))
+            elif s.startswith("lins-"):
                 plan = str(LinsPlan.parse(equivalent_plan(s, rpn).plan, world))
                 rows_m.append((s, DESCRIPTIONS[s], plan, f"lins:{plan}"))
             else:
@@ -662,7 +734,8 @@ def run(args) -> int:
             "model": {"size": args.model, **dataclasses.asdict(ma), "params": ma.num_params(), "units": len(spec.unit_shapes())},
             "seq_len": args.seq_len, "batch_size": args.batch_size, "microbatches": args.microbatches,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "dtype": "fp32 params, fp32 gradient reduction, AdamW",
-            "overlap_fraction": args.overlap_fraction, "reference_overlap_fraction": args.reference_overlap_fraction,
+            "overlap_fraction": run_overlap.fsdp, "lins_overlap_fraction": run_overlap.lins,
+            "reference_overlap_fraction": args.reference_overlap_fraction,
             "memory_budget_gib": args.memory_budget_gib or None, "bandwidth_table": os.path.abspath(args.bandwidth),
             "calibration": calib, "hardware": {k: v for k, v in dataclasses.asdict(hw).items()},
             "planner": [{"microbatches": m, "budget": lb, **c} for (m, lb), c in choices.items()],
@@ -697,15 +770,11 @@ def run(args) -> int:
             result = results[key]
             gathered = [None] * world
             dist.all_gather_object(gathered, {"peak": result["peak_delta_bytes"], "persistent": result["persistent_bytes"],
-                                              "transient": result["transient_bytes"], "states": result["state_bytes"]})
+                                              "transient": result["transient_bytes"], "states": result["state_bytes"],
+                                              "comm_time": result["comm_time"]})
             if rank == 0:
-                if name == "lins-planner":
-                    pred = planning.predict(plan, m)
-                    note = "the planner's own plan"
-                else:
-                    eq = equivalent_plan(name, rpn)
-                    pred = planning.predict(eq.plan, m, extra_backward_all_reduce=eq.extra_all_reduce, fsdp_hooks=eq.fsdp_hooks)
-                    note = eq.note
+                eq = equivalent_plan(name, rpn, plan)
+                pred, note = planning.predict(m, eq), eq.note
                 reused = any(r_["microbatches"] == m and r_["instance"] == key for r_ in rows)
                 rows.append(make_row(name, label, plan, m, result, gathered, pred, note, reused, args, world, budgets, key))
                 if name == "lins-planner":
@@ -764,10 +833,43 @@ def make_row(name, label, plan, m, result, gathered, pred, note, reused, args, w
             "model_state_bytes_rank0": gathered[0]["states"],
         },
         "bytes_per_rank": link_bytes(result["records"]),
+        "comm_time_s": mean_comm_time([g["comm_time"] for g in gathered]),
+        "link_floor_s": link_floor(pred, link_bytes(result["records"]), args),
         "predicted": {**pred, "note": note},
         "fits": fits,
         "last_loss": result["last_loss"],
     }
+
+
+def mean_comm_time(per_rank: list[dict | None]) -> dict | None:
+    """Lins' exposed and hidden collective seconds per state in the last timed step,
+    averaged over the ranks (None for strategies Lins does not run)."""
+    if not per_rank or per_rank[0] is None:
+        return None
+    states = per_rank[0]
+    return {state: {k: statistics.mean(r[state][k] for r in per_rank) for k in ("exposed", "hidden")} for state in states}
+
+
+def link_rate_bytes(rate: str) -> float | None:
+    """A tc rate ("300mbit") in bytes per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit) and rate[: -len(unit)].replace(".", "", 1).isdigit():
+            return float(rate[: -len(unit)]) * scale / 8
+    return None
+
+
+def link_floor(pred: dict, nbytes: dict, args) -> dict | None:
+    """The step time if communication hid entirely behind compute: the larger of the
+    predicted compute (FLOPs, optimizer, copies, host time) and the time the node's link
+    needs for the inter-node bytes all its ranks send (each direction has the rate)."""
+    rate = link_rate_bytes(args.link_rate or "")
+    if rate is None:
+        return None
+    rpn = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    compute = sum(pred["compute_s"].values())
+    link = nbytes["inter_nic_bytes"] * rpn / rate
+    return {"compute_s": compute, "link_s": link, "floor_s": max(compute, link)}
 
 
 if __name__ == "__main__":

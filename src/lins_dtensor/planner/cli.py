@@ -43,9 +43,10 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbit", type=float, default=None, help="override the hardware's inter-node bandwidth per node (Gbit/s)")
     p.add_argument("--reduce-dtype", choices=sorted(_DTYPE_BYTES), default="fp32", help="gradient reduce/accumulate dtype (runtime default fp32)")
     p.add_argument("--no-overlap", action="store_true", help="expose every collective (worst case)")
-    p.add_argument("--overlap-fraction", type=float, default=0.8, help="share of a phase's compute that can hide its collectives")
-    p.add_argument("--overlap-step", action="store_true", help="model the paper's executor: update gathers also overlap the next forward")
-    p.add_argument("--reduce-at-step", action="store_true", help="gradients reduced at optimizer.step(), not in the last backward (set_reduce_in_backward off)")
+    p.add_argument("--overlap-fraction", type=float, default=0.8, help="share of a phase's compute that can hide FSDP2's per-micro-batch collectives")
+    p.add_argument("--lins-overlap-fraction", type=float, default=0.8, help="share of the compute they overlap that Lins' asynchronous collectives hide behind")
+    p.add_argument("--reduce-at-step", action="store_true", help="gradients reduced at optimizer.step(), not in the last backward (set_requires_gradient_sync(model, False))")
+    p.add_argument("--gathers-exposed", action="store_true", help="update gathers not overlapped with the next forward (worst case of the runtime)")
     p.add_argument("--tie-tolerance", type=float, default=0.02, help="near-ties within this fraction go to the plan with the least inter-node traffic")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -70,7 +71,8 @@ def build_inputs(args: argparse.Namespace) -> tuple:
     training = TrainingSpec(
         seq_len=args.seq_len, micro_batch=args.micro_batch, global_batch_tokens=args.global_batch_tokens,
         activation_checkpointing=args.activation_checkpointing, reduce_bytes=_DTYPE_BYTES[args.reduce_dtype],
-        overlap=not args.no_overlap, overlap_fraction=args.overlap_fraction, overlap_step=args.overlap_step, reduce_in_backward=not args.reduce_at_step,
+        overlap=not args.no_overlap, overlap_fraction=args.overlap_fraction, lins_overlap_fraction=args.lins_overlap_fraction,
+        overlap_step=not args.gathers_exposed, reduce_in_backward=not args.reduce_at_step,
     )
     return model, cluster, training
 

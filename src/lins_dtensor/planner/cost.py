@@ -2,17 +2,23 @@
 
 The collectives come from :func:`lins_dtensor.schedule.step_collectives`, the function
 the runtime's byte accounting is tested against, so the planner times exactly what the
-runtime sends. Overlap model (the runtime's): a micro-batch's parameter all-gathers can
-hide behind forward compute and its gradient reduce-scatters (and backward re-gathers)
-behind backward compute, up to ``overlap_fraction`` of it, except the first collective
-of each phase, which has nothing to hide behind; the optimizer-step reductions hide
-behind the last backward when the runtime reduces there (``reduce_in_backward``) and
-the update gathers are exposed (``overlap_step`` models the paper's executor, which
-also hides them behind the next forward).
+runtime sends. Overlap follows who issues each collective (``CollectiveSpec.issuer``):
+
+* FSDP2's per-micro-batch parameter gathers and P-group reduce-scatters hide behind
+  their phase's compute up to ``overlap_fraction`` of it, except the first of each
+  phase (nothing to hide behind); on CPU FSDP2 blocks on them (fraction 0).
+* Lins' own collectives run as chains on its executor, asynchronous on CPU and GPU
+  alike, and hide up to ``lins_overlap_fraction`` of the compute they overlap, minus
+  the time FSDP2's collectives hold the links then: a micro-batch's G-level
+  reduce-scatter behind the rest of that micro-batch and the next one; the step
+  reductions behind the last micro-batch's backward (the chain of the unit whose
+  gradient comes last, the first unit, always shows); the update gathers behind the
+  next forward (the first unit's always shows).
 
 Compute is the model FLOPs at the device's rate, plus the memory-bound work around the
 collectives (:func:`lins_dtensor.schedule.local_copy_bytes` at the copy bandwidth) and
-FSDP2's host time per unit, both of which matter on CPUs and barely on GPUs.
+the host time per unit of FSDP2's hooks (where P is sharded) or Lins' gradient hooks
+(where it is replicated), both of which matter on CPUs and barely on GPUs.
 """
 
 from __future__ import annotations
@@ -26,9 +32,18 @@ from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import MemoryBreakdown, memory_breakdown, rank0_units
 from lins_dtensor.planner.models import ModelSpec
 from lins_dtensor.planner.training import TrainingSpec
-from lins_dtensor.schedule import ALL_SPECS, CollectiveRecord, Phase, local_copy_bytes, step_collectives
+from lins_dtensor.schedule import (
+    ALL_SPECS,
+    GRAD_NORM_ALL_REDUCE,
+    GRAD_SHARD_REDUCE_SCATTER,
+    CollectiveRecord,
+    Phase,
+    local_copy_bytes,
+    step_collectives,
+)
 
 PHASE_OF = {spec.name: spec.phase.value for spec in ALL_SPECS}
+ISSUER_OF = {spec.name: spec.issuer for spec in ALL_SPECS}
 PHASES = tuple(p.value for p in Phase)
 
 
@@ -98,29 +113,41 @@ def evaluate(
     training: TrainingSpec,
     timer: CollectiveTimer | None = None,
     extra_backward: Sequence[CollectiveRecord] = (),
+    fsdp2_reductions: bool = False,
 ) -> PlanCost:
     """Predict memory and step time of ``plan`` (assumed valid for the cluster).
 
-    ``extra_backward``: collectives another runtime issues in backward on top of the
-    plan's (the benchmark costs stock HSDP's all-reduce of every micro-batch with it)."""
+    For the benchmark's costing of other runtimes with a plan's collectives:
+    ``extra_backward`` adds collectives another runtime issues in backward (stock HSDP's
+    all-reduce of micro-batches 1..M-1), and ``fsdp2_reductions`` has FSDP2 issue the
+    step reductions in the last backward (stock HSDP's all-reduce) instead of Lins."""
     timer = timer or CollectiveTimer(cluster.hardware, cluster.gpus_per_node, cluster.bandwidth)  # type: ignore[arg-type]
     hw = cluster.hardware
     m = training.microbatches(cluster.gpus)
     units = rank0_units(model, plan)
     memory = memory_breakdown(model, plan, training, units)
 
-    records = step_collectives(
-        plan, units, world_size=cluster.gpus, ranks_per_node=cluster.gpus_per_node, microbatches=m,
-        param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, clip_grad_norm=training.clip_grad_norm,
-    )
-    record_phase = [PHASE_OF[r.name] for r in records] + [Phase.BACKWARD.value] * len(extra_backward)
-    records = records + list(extra_backward)
-    record_s = [r.count * timer.seconds(r.op.value, r.group_size, r.nodes, r.message_bytes) for r in records]
+    def collectives(of_units, microbatches: int, norm: bool) -> list[CollectiveRecord]:
+        return step_collectives(
+            plan, of_units, world_size=cluster.gpus, ranks_per_node=cluster.gpus_per_node, microbatches=microbatches,
+            param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, clip_grad_norm=norm,
+        )
+
+    def seconds(record: CollectiveRecord) -> float:
+        return record.count * timer.seconds(record.op.value, record.group_size, record.nodes, record.message_bytes)
+
+    records = collectives(units, m, training.clip_grad_norm)
+    record_phase = [PHASE_OF[r.name] for r in records]
+    if fsdp2_reductions:
+        record_phase = [Phase.BACKWARD.value if p == Phase.STEP.value and r.op.value != "all_gather" else p for r, p in zip(records, record_phase)]
+    issuer = ["fsdp2" if fsdp2_reductions and p != PHASE_OF[r.name] else ISSUER_OF[r.name] for r, p in zip(records, record_phase)]
+    records += list(extra_backward)
+    record_phase += [Phase.BACKWARD.value] * len(extra_backward)
+    issuer += ["fsdp2"] * len(extra_backward)
+    record_s = [seconds(r) for r in records]
     comm = dict.fromkeys(PHASES, 0.0)
-    calls = dict.fromkeys(PHASES, 0)
-    for r, t, phase in zip(records, record_s, record_phase):
+    for t, phase in zip(record_s, record_phase):
         comm[phase] += t
-        calls[phase] += r.count
 
     # Compute: forward is a third of the model FLOPs, backward two thirds, plus one
     # more forward when activations are recomputed.
@@ -138,29 +165,75 @@ def evaluate(
     )
     for phase, nbytes in copies.items():
         compute[phase] += nbytes / hw.copy_bandwidth
-    hooks = m * len(units) * hw.unit_overhead_s  # split like the FLOPs
+    per_unit = hw.unit_overhead_s if plan.params > 1 else hw.replicated_unit_overhead_s
+    hooks = m * len(units) * per_unit  # split like the FLOPs
     compute["forward"] += hooks / 3
     compute["backward"] += 2 * hooks / 3
 
-    exposed = dict(comm)
-    if training.overlap:
-        for phase in ("forward", "backward"):
-            if comm[phase]:
-                first = comm[phase] / calls[phase] * m  # one unhidden collective per micro-batch
-                exposed[phase] = max(comm[phase] - training.overlap_fraction * compute[phase], min(first, comm[phase]))
-        if (training.reduce_in_backward or training.overlap_step) and comm["step"]:
-            exposed["step"] = _overlapped_step(records, record_s, record_phase, comm, compute, m, training.overlap_fraction, training.overlap_step)
+    exposed = _exposed(records, record_s, record_phase, issuer, compute, m, training, _first_unit_chains(collectives, seconds, units))
     step_s = sum(compute.values()) + sum(exposed.values())
     mfu = flops / (step_s * hw.peak_flops)
     return PlanCost(plan, m, memory, cluster.memory_budget, compute, comm, exposed, step_s, mfu, tokens * cluster.gpus / step_s, records, record_s, record_phase)
 
 
-def _overlapped_step(records, record_s, record_phase, comm, compute, m: int, fraction: float, gathers_overlap: bool) -> float:
-    """Exposed step time when reductions overlap the last micro-batch's backward and (with
-    ``gathers_overlap``) the update gathers the next forward, each using the capacity
-    left by that micro-batch's own collectives."""
-    gathers = sum(t for r, t, phase in zip(records, record_s, record_phase) if phase == "step" and r.op.value == "all_gather")
-    reductions = comm["step"] - gathers
-    backward_room = max(0.0, (fraction * compute["backward"] - comm["backward"]) / m)
-    forward_room = max(0.0, (fraction * compute["forward"] - comm["forward"]) / m)
-    return max(0.0, reductions - backward_room) + (max(0.0, gathers - forward_room) if gathers_overlap else gathers)
+def _first_unit_chains(collectives, seconds, units) -> tuple[float, float]:
+    """Seconds of the first unit's step reductions and of its update gathers: its
+    gradient is the last one backward produces and its parameters the first forward
+    needs, so neither has compute to hide behind."""
+    if not units:
+        return 0.0, 0.0
+    reduce_s = gather_s = 0.0
+    for r in collectives(units[:1], 1, False):
+        if PHASE_OF[r.name] == Phase.STEP.value:
+            if r.op.value == "all_gather":
+                gather_s += seconds(r)
+            else:
+                reduce_s += seconds(r)
+    return reduce_s, gather_s
+
+
+def _exposed(records, record_s, record_phase, issuer, compute, m: int, training: TrainingSpec, first_unit: tuple[float, float]) -> dict[str, float]:
+    """The part of each phase's communication that does not hide behind compute."""
+    fsdp = {phase: 0.0 for phase in PHASES}
+    fsdp_calls = {phase: 0 for phase in PHASES}
+    grad_shard = reductions = gathers = norm = 0.0
+    for r, t, phase, who in zip(records, record_s, record_phase, issuer):
+        if who == "fsdp2":
+            fsdp[phase] += t
+            fsdp_calls[phase] += r.count
+        elif r.name == GRAD_SHARD_REDUCE_SCATTER.name:
+            grad_shard += t
+        elif r.name == GRAD_NORM_ALL_REDUCE.name:
+            norm += t
+        elif r.op.value == "all_gather":
+            gathers += t
+        else:
+            reductions += t
+    if not training.overlap:
+        return {"forward": fsdp["forward"], "backward": fsdp["backward"] + grad_shard, "step": reductions + gathers + norm}
+
+    exposed = {"step": norm}
+    for phase in ("forward", "backward"):
+        hidden = training.overlap_fraction * compute[phase]
+        first = fsdp[phase] / fsdp_calls[phase] * m if fsdp_calls[phase] else 0.0  # one unhidden collective per micro-batch
+        exposed[phase] = max(fsdp[phase] - hidden, min(first, fsdp[phase]))
+    # Lins' chains hide behind compute while FSDP2's collectives do not hold the links.
+    lins = training.lins_overlap_fraction
+    forward_room = max(0.0, (lins * compute["forward"] - fsdp["forward"]) / m)
+    backward_room = max(0.0, (lins * compute["backward"] - fsdp["backward"]) / m)
+    # Micro-batches but the last: their G-level reduce-scatter runs until the same unit's
+    # next gradient, behind the rest of that backward and the next forward.
+    per_microbatch = grad_shard / m
+    exposed["backward"] += (m - 1) * max(0.0, per_microbatch - backward_room - forward_room)
+    # The last micro-batch's G-level reduce-scatter heads its units' reduction chains.
+    reductions += per_microbatch
+    first_reduce, first_gather = first_unit
+    if training.reduce_in_backward:
+        exposed["step"] += max(min(first_reduce, reductions), reductions - backward_room)
+    else:
+        exposed["step"] += reductions
+    if training.overlap_step:
+        exposed["step"] += max(min(first_gather, gathers), gathers - forward_room)
+    else:
+        exposed["step"] += gathers
+    return exposed

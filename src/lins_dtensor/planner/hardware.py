@@ -31,9 +31,11 @@ class HardwareSpec:
     reserved_bytes: float = 2 * GiB  # context, allocator fragmentation, workspaces
     memory_shared_by_world: bool = False  # cpu-emulated: one host's memory for all ranks
     copy_bw: float | None = None  # bytes/s per rank read + written by local copies (None: hbm_bw)
-    # Host time FSDP2's hooks add per unit and micro-batch (forward + backward). A GPU
-    # hides it behind queued kernels; on CPUs, where the host is the device, it adds up.
+    # Host time per unit and micro-batch (forward + backward) of FSDP2's hooks where P is
+    # sharded, and of Lins' gradient hooks where it is replicated. A GPU hides it behind
+    # queued kernels; on CPUs, where the host is the device, it adds up.
     unit_overhead_s: float = 0.0
+    replicated_unit_overhead_s: float = 0.0
 
     @property
     def copy_bandwidth(self) -> float:

@@ -18,7 +18,7 @@ from lins_dtensor.mesh import MESH_DIMS
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner.models import ModelSpec, shapes_numel
 from lins_dtensor.planner.training import TrainingSpec
-from lins_dtensor.schedule import UnitGeometry, UnitSchedule, state_memory_bytes
+from lins_dtensor.schedule import UnitGeometry, UnitSchedule, chain_buffer_bytes, state_memory_bytes
 
 GiB = 1 << 30
 _RANK0 = {dim: 0 for dim in MESH_DIMS}
@@ -85,23 +85,32 @@ class MemoryBreakdown:
 
 def memory_breakdown(model: ModelSpec, plan: LinsPlan, training: TrainingSpec, units: list[UnitSchedule] | None = None) -> MemoryBreakdown:
     units = rank0_units(model, plan) if units is None else units
-    states = state_memory_bytes(
-        units, param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes,
-        master_bytes=training.master_bytes, optim_states=training.optim_states,
-    )
+    pb, rb = training.param_bytes, training.reduce_bytes
+    states = state_memory_bytes(units, param_bytes=pb, reduce_bytes=rb, master_bytes=training.master_bytes, optim_states=training.optim_states)
     biggest = max((u.geometry.params.total_numel for u in units), default=0)
-    # FSDP2 holds the gathered unit being computed and the prefetched next one; in
-    # backward also that unit's unsharded gradient (param dtype) and its reduce-scatter
-    # input (reduce dtype).
-    buffers = 2 * biggest * training.param_bytes + 2 * biggest * (training.param_bytes + training.reduce_bytes)
+    if plan.params > 1:
+        # FSDP2 holds the gathered unit being computed and the prefetched next one; in
+        # backward also that unit's unsharded gradient (param dtype) and its
+        # reduce-scatter input (reduce dtype).
+        buffers = 2 * biggest * pb + 2 * biggest * (pb + rb)
+    else:
+        # With P replicated, one unit's gradients from autograd until they are in G.
+        buffers = biggest * pb
     hpz = plan.reshard_after_forward
-    if hpz is False:
-        buffers += sum(u.geometry.params.total_numel for u in units) * training.param_bytes
-    elif hpz is not True:
+    if plan.params > 1 and hpz is False:
+        buffers += sum(u.geometry.params.total_numel for u in units) * pb
+    elif plan.params > 1 and hpz is not True:
         # hpZ keeps every unit's parameters between forward and backward, sharded k ways.
-        buffers += sum(math.ceil(shapes_numel(u.geometry.shapes) / hpz) for u in units) * training.param_bytes
-    # Step: each unit's OS-layout gradient lives until the optimizer has run, plus the
-    # packed G-level buffer of the unit being reduced.
-    step = sum(u.geometry.optim.chunk_numel for u in units) * training.reduce_bytes
-    step += max((u.geometry.grads.total_numel for u in units), default=0) * training.reduce_bytes
+        buffers += sum(math.ceil(shapes_numel(u.geometry.shapes) / hpz) for u in units) * pb
+    # Lins' executor: transient buffers of its collectives in flight (its default bound,
+    # twice the largest chain's), and each unit's reduced OS-layout gradient, held from
+    # its reduction (in the last backward) to the end of the step unless it is the G
+    # buffer itself.
+    chains = [chain_buffer_bytes(u.geometry, param_bytes=pb, reduce_bytes=rb, master_bytes=training.master_bytes) for u in units]
+    in_flight = 2 * max((max(c.values()) for c in chains), default=0)
+    os_grads = sum(u.geometry.optim.chunk_numel * rb for u in units if not u.geometry.os_is_g_chunk)
+    buffers += in_flight + (os_grads if training.reduce_in_backward else 0)
+    step = os_grads + in_flight
+    if rb != training.master_bytes:  # the masters' gradients, cast from the reduce dtype
+        step += sum(u.geometry.optim.chunk_numel for u in units) * training.master_bytes
     return MemoryBreakdown(states["params"], states["grads"], states["optim"], activation_bytes(model, training), buffers, step)

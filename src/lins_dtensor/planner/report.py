@@ -52,7 +52,9 @@ def to_json(ex: Explanation, top: int = 10) -> dict:
             "seq_len": ex.training.seq_len, "micro_batch": ex.training.micro_batch,
             "global_batch_tokens": ex.training.global_batch_tokens, "microbatches": ex.microbatches,
             "activation_checkpointing": ex.training.activation_checkpointing, "overlap": ex.training.overlap,
-            "overlap_step": ex.training.overlap_step, "reduce_bytes": ex.training.reduce_bytes,
+            "overlap_fraction": ex.training.overlap_fraction, "lins_overlap_fraction": ex.training.lins_overlap_fraction,
+            "reduce_in_backward": ex.training.reduce_in_backward, "overlap_step": ex.training.overlap_step,
+            "reduce_bytes": ex.training.reduce_bytes,
         },
         "chosen": plan_record(win, rpn),
         "reason": ex.reason,
@@ -92,7 +94,9 @@ def to_text(ex: Explanation, top: int = 10) -> str:
         f"{ex.cluster.hardware.name} ({ex.cluster.nodes} nodes x {rpn}), seq {t.seq_len}, micro-batch {t.micro_batch}, "
         f"M={ex.microbatches} micro-batches/step"
         + (", activation checkpointing" if t.activation_checkpointing else "")
-        + (", overlap off" if not t.overlap else (", step overlapped (paper executor)" if t.overlap_step else "")),
+        + (", overlap off" if not t.overlap else f", overlap FSDP2 {t.overlap_fraction:g} / Lins {t.lins_overlap_fraction:g}")
+        + ("" if t.reduce_in_backward else ", reductions at the step")
+        + ("" if t.overlap_step else ", update gathers exposed"),
         f"bandwidth: {'measured table' if ex.cluster.bandwidth is not None else 'alpha-beta model of ' + ex.cluster.hardware.name}"
         + (f" (alpha-beta for {len(ex.table_fallbacks)} unmeasured shapes)" if ex.table_fallbacks else "")
         + f"; memory budget {ex.cluster.memory_budget / GiB:.1f} GiB per rank",

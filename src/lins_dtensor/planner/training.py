@@ -14,12 +14,15 @@ class TrainingSpec:
 
     Byte sizes default to the runtime's bf16 parameters with fp32 gradient reduction,
     fp32 masters and Adam (2 states). ``overlap_fraction`` is how much of a phase's
-    compute can hide that phase's per-micro-batch collectives; ``overlap=False`` shows
-    the exposed worst case. ``reduce_in_backward`` is the runtime's
-    ``set_reduce_in_backward`` on the last micro-batch (the torchtitan integration
-    does it): the optimizer-step reductions hide behind that backward.
-    ``overlap_step`` models the paper's executor, which also hides the
-    updated-parameter gathers behind the next forward (this runtime does not yet).
+    compute can hide FSDP2's per-micro-batch collectives (0 on CPU, where FSDP2 blocks
+    on them), ``lins_overlap_fraction`` how much of the compute they overlap Lins' own
+    asynchronous collectives hide behind (:mod:`lins_dtensor.planner.cost`; the
+    benchmark measures it on CPU); ``overlap=False`` shows the exposed worst case.
+    ``reduce_in_backward``: the runtime knows the last micro-batch (told or learned)
+    and reduces to the optimizer layout during its backward; off, the reductions run
+    at the optimizer step (``set_requires_gradient_sync(model, False)``).
+    ``overlap_step``: the update gathers run behind the next forward, as the runtime
+    does; off, they are exposed.
     """
 
     seq_len: int = 4096
@@ -33,15 +36,17 @@ class TrainingSpec:
     activation_bytes: int = 2
     overlap: bool = True
     overlap_fraction: float = 0.8
+    lins_overlap_fraction: float = 0.8
     reduce_in_backward: bool = True
-    overlap_step: bool = False
+    overlap_step: bool = True
     clip_grad_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.micro_batch < 1:
             raise PlannerError(f"seq_len={self.seq_len} and micro_batch={self.micro_batch} must be >= 1")
-        if not 0.0 <= self.overlap_fraction <= 1.0:
-            raise PlannerError(f"overlap_fraction={self.overlap_fraction} must be in [0, 1]")
+        for name in ("overlap_fraction", "lins_overlap_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise PlannerError(f"{name}={getattr(self, name)} must be in [0, 1]")
 
     @property
     def microbatch_tokens(self) -> int:

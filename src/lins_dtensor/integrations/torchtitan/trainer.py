@@ -8,10 +8,12 @@
    for the duration of ``train_step`` that one name, in ``torchtitan.train``'s
    namespace only, resolves to the Lins container's ``clip_grad_norm_``. The logged
    ``grad_norm`` is then the true global norm.
-3. With ``[lins] reduce_in_backward = true`` (default) the last micro-batch of each
-   step reduces its gradients to the optimizer layout inside backward
-   (:func:`lins_dtensor.runtime.set_reduce_in_backward`), so that traffic overlaps
-   the rest of backward; earlier micro-batches keep theirs in the G buffers.
+3. Lins is told how many micro-batches a step has (torchtitan's gradient accumulation
+   steps, :func:`lins_dtensor.set_gradient_accumulation_steps`), so that the last one
+   reduces its gradients to the optimizer layout inside backward, overlapped with it;
+   earlier micro-batches keep theirs in the G buffers. ``[lins] reduce_in_backward =
+   false`` moves that reduction to the optimizer step
+   (:func:`lins_dtensor.set_requires_gradient_sync`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torchtitan.train import Trainer
 
 from lins_dtensor.integrations.torchtitan.optimizer import LinsOptimizersContainer
 from lins_dtensor.integrations.torchtitan.plan import check_config
-from lins_dtensor.runtime import set_reduce_in_backward
+from lins_dtensor.runtime import set_gradient_accumulation_steps, set_requires_gradient_sync
 
 
 class _DistUtilsWithLinsClip(types.ModuleType):
@@ -61,16 +63,10 @@ class LinsTrainer(Trainer):
         super().__init__(job_config)
 
     def train_step(self, data_iterator):
-        self._lins_microbatch = 0
         if isinstance(self.optimizers, LinsOptimizersContainer):
+            for model in self.model_parts:
+                set_gradient_accumulation_steps(model, self.gradient_accumulation_steps)
+                set_requires_gradient_sync(model, None if self.job_config.lins.reduce_in_backward else False)
             with _lins_clipping(self.optimizers):
                 return super().train_step(data_iterator)
         return super().train_step(data_iterator)
-
-    def forward_backward_step(self, *args, **kwargs):
-        if isinstance(self.optimizers, LinsOptimizersContainer):
-            last = self._lins_microbatch == self.gradient_accumulation_steps - 1
-            for model in self.model_parts:
-                set_reduce_in_backward(model, last and self.job_config.lins.reduce_in_backward)
-            self._lins_microbatch += 1
-        return super().forward_backward_step(*args, **kwargs)
