@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lins_dtensor import valid_plans
+from lins_dtensor import LinsPlan, valid_plans
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -31,18 +31,19 @@ def test_world8_plans_match_fp32_reference(world8_runs, references):
     # 1.2e-5 from the single-process reference on one weight after 3 AdamW steps with
     # M = 3 (Adam divides by a small second moment there); Lins' fsdp plan is bitwise
     # equal to stock FSDP2. A wrong reduction is off by 1e-3 or more.
-    at_step = {_key(r["config"]): r for r in world8_runs if r["config"].get("mode", "explicit") == "explicit"}
+    at_step = {_key(r["config"], 8): r for r in world8_runs if r["config"].get("mode", "explicit") == "explicit"}
     for run in world8_runs:
         cfg = run["config"]
         err = worst_rel_err(run["masters"], references[(8, cfg["microbatches"])])
         assert err < 3e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
         if cfg.get("mode") == "told":  # the overlapped executor: the step path's bits
             for name, value in run["masters"].items():
-                assert torch.equal(value, at_step[_key(cfg)]["masters"][name]), f"{cfg['plan']} M={cfg['microbatches']}: {name}"
+                assert torch.equal(value, at_step[_key(cfg, 8)]["masters"][name]), f"{cfg['plan']} M={cfg['microbatches']}: {name}"
 
 
-def _key(cfg: dict) -> tuple:
-    return cfg["plan"], cfg["microbatches"]
+def _key(cfg: dict, world_size: int = 4) -> tuple:
+    """Runs are matched by the plan they resolve to ("fsdp" is p=4,g=4,os=4 at world 4)."""
+    return str(LinsPlan.parse(cfg["plan"], world_size=world_size)), cfg["microbatches"]
 
 
 def test_overlapped_executor_is_bitwise_the_step_path(async_runs, world4_runs, references, references_without_clipping):
@@ -52,7 +53,7 @@ def test_overlapped_executor_is_bitwise_the_step_path(async_runs, world4_runs, r
     at_step = {_key(r["config"]): r for r in world4_runs}
     told = [r for r in async_runs if r["config"]["mode"] == "told" and "told_steps" not in r["config"]
             and "max_inflight_bytes" not in r["config"]]
-    assert len(told) == 88
+    assert len(told) == 2 * 2 * len(valid_plans(4, 2, with_hpz=True)) == 44  # M x clipping
     for run in told:
         cfg = run["config"]
         if cfg["clip"]:
@@ -68,22 +69,25 @@ def test_overlapped_executor_is_bitwise_the_step_path(async_runs, world4_runs, r
             assert info["memory"] == info["memory_expected"], cfg
 
 
-def test_learned_or_miscounted_microbatches_and_a_tight_byte_bound_change_nothing(async_runs, world4_runs):
-    """Learning M from the previous step (the first step reduces at the optimizer), a
-    count told too small (the extra backward reduces again, with one warning) and a byte
-    bound that serialises every chain all give the bits of the step path."""
+def test_learned_or_miscounted_microbatches_and_a_tight_byte_bound_change_nothing(async_runs, world4_runs, references):
+    """Learning M from the previous step (the first step reduces at the optimizer) and a
+    byte bound that serialises every chain give the bits of the step path. A count told
+    too small warns once and reduces each extra backward's gradient on its own: the same
+    sum in another order, so within the reference tolerance rather than bitwise."""
     at_step = {_key(r["config"]): r for r in world4_runs}
     others = [r for r in async_runs if r["config"]["mode"] == "learned" or "told_steps" in r["config"] or "max_inflight_bytes" in r["config"]]
     assert len(others) == 4 + 2 + 6
     for run in others:
         cfg = run["config"]
+        if "told_steps" in cfg:
+            err = worst_rel_err(run["masters"], references[(4, cfg["microbatches"])])
+            assert err < 1e-5, f"{cfg}: relative error {err:.2e}"
+            assert len(run["lins_warnings"]) == 1 and "backward pass 3" in run["lins_warnings"][0], run["lins_warnings"]
+            continue
         for name, value in run["masters"].items():
             assert torch.equal(value, at_step[_key(cfg)]["masters"][name]), f"{cfg}: {name}"
-        if "told_steps" in cfg:
-            assert len(run["lins_warnings"]) == 1 and "backward pass 3" in run["lins_warnings"][0], run["lins_warnings"]
-        else:
-            assert run["lins_warnings"] == [], run["lins_warnings"]
-            assert all(info["bytes_match"] for info in run["per_rank"]), cfg
+        assert run["lins_warnings"] == [], run["lins_warnings"]
+        assert all(info["bytes_match"] for info in run["per_rank"]), cfg
 
 
 def test_lins_stats_splits_collective_time_into_exposed_and_hidden(async_runs):

@@ -16,8 +16,9 @@ count: told (:func:`set_gradient_accumulation_steps`; the torchtitan integration
 it) or learned (the count of the previous step). Until it knows (the first step), and
 when a step has fewer passes than expected, the reduction runs at the optimizer step
 instead; with more, each pass after the expected last adds its gradient with one more
-reduction. :func:`set_requires_gradient_sync` overrides the count for the next passes,
-FSDP2-style. Results are identical either way.
+reduction (the same sum in another order: it warns once). :func:`set_requires_gradient_sync`
+overrides the count for the next passes, FSDP2-style. Otherwise results are bitwise the
+same whichever way the count is known.
 """
 
 from __future__ import annotations
