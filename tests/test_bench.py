@@ -132,7 +132,8 @@ def _row(strategy: str, median: float, fits_budget: bool, plan: str | None = Non
 
 def test_targets_compare_against_every_strategy_that_fits_the_plans_budget():
     """The 1.15x target counts every other strategy (DDP and Lins presets included) that
-    fits the memory the plan was chosen under; other planner rows do not count."""
+    fits the memory the plan was chosen under; other planner rows, and a Lins preset that
+    is the planner's very plan, do not count."""
     from lins_dtensor.bench.report import compare
 
     rows = [
@@ -140,6 +141,7 @@ def test_targets_compare_against_every_strategy_that_fits_the_plans_budget():
         _row("lins-planner", 1.0, False, "p=1,g=1,os=4", ["unlimited"]),
         _row("lins-fsdp", 8.1, True, "p=8,g=8,os=8"),
         _row("lins-zero1", 2.2, True, "p=1,g=1,os=8"),
+        _row("lins-zero2", 2.0, True, "p=4,g=4,os=8"),  # stands in for a preset with the chosen plan
         _row("fsdp2", 8.0, True),
         _row("hpz", 4.0, True),
         _row("hsdp-deferred", 1.5, False),
@@ -149,6 +151,7 @@ def test_targets_compare_against_every_strategy_that_fits_the_plans_budget():
     assert out["lins_fsdp_over_fsdp2"] == pytest.approx(8.1 / 8.0) and out["lins_fsdp_within_3pct"]
     budgeted = out["Lins planner [1 GiB]"]
     assert budgeted["budget"] == "1 GiB" and budgeted["fastest_other_same_memory"] == "lins-zero1 (p=1,g=1,os=8)"
+    assert budgeted["same_plan_as"] == ["lins-zero2"] and "same_plan_as" not in out["Lins planner [unlimited]"]
     assert budgeted["speedup_vs_fastest_other_same_memory"] == pytest.approx(1.1) and not budgeted["target_1.15x_met"]
     assert budgeted["best_variant_same_memory"] == "hpz" and budgeted["speedup_vs_best_variant_same_memory"] == pytest.approx(2.0)
     assert budgeted["speedup_vs_fsdp2"] == pytest.approx(4.0)

@@ -66,6 +66,7 @@ def test_overlapped_executor_is_bitwise_the_step_path(async_runs, world4_runs, r
             assert torch.equal(value, run["masters"][name]), f"{cfg}: {name} P != OS master"
         for rank, info in enumerate(run["per_rank"]):
             assert info["bytes_match"], f"{cfg} rank {rank}: counted {info['counted']} predicted {info['predicted']}"
+            assert info["unwaited_bytes_match"], f"{cfg} rank {rank}: lins_stats(wait=False) is not one whole step"
             assert info["memory"] == info["memory_expected"], cfg
 
 

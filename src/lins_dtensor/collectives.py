@@ -79,8 +79,9 @@ class CommRecorder:
 
     A collective belongs to the step whose work submitted it, even when it is issued
     later (an update gather still queued when the next step begins): callers pass the
-    step they captured at submission. ``last_step`` is complete once nothing of that
-    step is in flight any more (``lins_stats`` waits for that)."""
+    step they captured at submission. The last two ended steps are kept: ``ended(1)``
+    is complete once nothing of it is in flight any more, ``ended(2)`` (whose update
+    gathers the last step's forward waited for) always is."""
 
     def __init__(self, ranks_per_node: int) -> None:
         self.ranks_per_node = ranks_per_node
@@ -89,13 +90,13 @@ class CommRecorder:
         self._timings: dict[int, list[CommTiming]] = {0: []}
         self._group_info: dict[int, tuple[int, int]] = {}
 
-    @property
-    def last_step(self) -> list[CollectiveRecord]:
-        return self._records.get(self.step - 1, [])
+    def ended(self, back: int = 1) -> tuple[list[CollectiveRecord], list[CommTiming]]:
+        """Records and timings of the step ``back`` steps before the running one."""
+        return self._records.get(self.step - back, []), self._timings.get(self.step - back, [])
 
     @property
-    def last_step_timing(self) -> list[CommTiming]:
-        return self._timings.get(self.step - 1, [])
+    def last_step(self) -> list[CollectiveRecord]:
+        return self.ended(1)[0]
 
     def _describe(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
         key = id(group)
@@ -109,7 +110,7 @@ class CommRecorder:
         size, nodes = self._describe(group)
         nbytes = message.numel() * message.element_size()
         timing = CommTiming(spec.name, spec.state, time.perf_counter())
-        if step in self._records:  # else: a step already dropped (two steps back)
+        if step in self._records:  # else: a step already dropped (three steps back)
             self._records[step].append(CollectiveRecord(spec.name, spec.state, spec.op, size, nodes, nbytes))
             self._timings[step].append(timing)
         return timing
@@ -117,7 +118,7 @@ class CommRecorder:
     def end_step(self) -> None:
         self.step += 1
         self._records[self.step], self._timings[self.step] = [], []
-        for old in [s for s in self._records if s < self.step - 1]:
+        for old in [s for s in self._records if s < self.step - 2]:
             del self._records[old], self._timings[old]
 
 

@@ -182,6 +182,11 @@ class LinsState:
         if torch.is_grad_enabled() or not self.forward_order:
             self.forward_order = list(self._seen.values())
 
+    def updates_in_flight(self) -> bool:
+        """Whether collectives of an ended step still run (checked without blocking)."""
+        self.executor.pump()
+        return bool(self.executor.chains) or any(unit.update_pending() for unit in self.units)
+
     def wait_for_updates(self) -> None:
         """Wait for everything in flight; afterwards P holds the last step's values."""
         self.executor.wait_all()

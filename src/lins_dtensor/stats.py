@@ -15,7 +15,7 @@ from lins_dtensor.schedule import CollectiveRecord, summarize
 @dataclasses.dataclass(frozen=True)
 class LinsStats:
     plan: str
-    collectives: list[CollectiveRecord]  # the last completed optimizer step, on this rank
+    collectives: list[CollectiveRecord]  # one finished optimizer step (lins_stats), on this rank
     timings: list[CommTiming]  # one per record, same order
     memory_bytes: dict[str, int]  # persistent bytes per state on this rank
 
@@ -62,10 +62,16 @@ class LinsStats:
         return out
 
 
-def lins_stats(model: nn.Module) -> LinsStats:
-    """The last completed step's statistics. Waits for the step's collectives still in
-    flight (the update gathers) so that their time is known."""
+def lins_stats(model: nn.Module, *, wait: bool = True) -> LinsStats:
+    """The statistics of the last optimizer step whose collectives have all finished.
+
+    ``wait=True`` first waits for the last step's update gathers (still in flight until
+    the next forward needs them), so the answer is the last step. ``wait=False`` never
+    blocks: while they are in flight it answers for the step before, which a metrics
+    logger should use so that logging does not take the gathers' overlap with the next
+    forward away (the torchtitan integration does)."""
     state = lins_state(model)
-    state.wait_for_updates()
-    recorder = state.recorder
-    return LinsStats(str(state.plan), list(recorder.last_step), list(recorder.last_step_timing), state.memory_bytes())
+    if wait:
+        state.wait_for_updates()
+    records, timings = state.recorder.ended(2 if state.updates_in_flight() else 1)
+    return LinsStats(str(state.plan), list(records), list(timings), state.memory_bytes())

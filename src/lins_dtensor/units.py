@@ -418,6 +418,10 @@ class LinsUnit:
             rows = g.optim.views(src, g.optim_index)
             foreach_copy_([d.view(r.shape) for d, r in zip(p_dests, rows)], rows)
 
+    def update_pending(self) -> bool:
+        """Whether P has not yet been made to wait for the last step's values."""
+        return self.update is not None
+
     def wait_update(self) -> None:
         """Make the caller wait until P holds the last optimizer step's values."""
         if self.update is not None:

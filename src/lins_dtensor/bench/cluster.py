@@ -102,6 +102,9 @@ class Built:
     state_bytes: object  # callable() -> dict
     microbatch_context: object = None  # callable(mb, M) -> context manager
     comm_time: object = None  # callable() -> exposed / hidden seconds per state (Lins)
+    # Work a step leaves in flight for the next one (Lins' update gathers, which the
+    # next forward waits for): None, or a callable that waits for it (untimed).
+    settle: object = None
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -164,7 +167,7 @@ class Strategies:
     def lins(self, plan_text: str) -> Built:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        from lins_dtensor import LinsPlan, apply_lins, clip_grad_norm_, lins_optimizer, lins_stats, set_gradient_accumulation_steps
+        from lins_dtensor import LinsPlan, apply_lins, clip_grad_norm_, lins_optimizer, lins_stats, set_gradient_accumulation_steps, wait_for_updates
         from lins_dtensor.runtime import lins_state
 
         plan = LinsPlan.parse(plan_text, self.world)
@@ -187,6 +190,7 @@ class Strategies:
             state_bytes=lambda: dict(lins_state(model).memory_bytes()),
             microbatch_context=context,
             comm_time=lambda: lins_stats(model).comm_time(),
+            settle=lambda: wait_for_updates(model),
         )
 
     # ----- FSDP2 family (torchtitan-style units) ------------------------------------------------
@@ -278,13 +282,15 @@ class Instance:
         self.state_bytes: dict[int, dict] = {}
         self.losses: dict[int, float] = {}
 
-    def step(self, microbatches: int, measure_states: bool = False) -> float:
+    def step(self, microbatches: int, measure_states: bool = False, barrier: bool = True) -> float:
         """One optimizer step; returns the slowest rank's wall time. ``measure_states``
         reads the model-state bytes after the optimizer (warm-up steps only, so that the
-        timed steps do no accounting)."""
+        timed steps do no accounting). ``barrier=False`` starts the clock as soon as the
+        previous step ended on this rank, with its work still in flight."""
         ma = MODEL_SIZES[self.args.model]
         b = self.built
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         start = time.perf_counter()
         for mb in range(microbatches):
             tokens = batch(self.step_count, self.rank, mb, ma.vocab_size, self.args.seq_len, self.args.batch_size)
@@ -316,7 +322,18 @@ class Instance:
         self.times[microbatches] = []
 
     def timed(self, microbatches: int) -> None:
-        self.times[microbatches].append(self.step(microbatches))
+        """One timed step in steady state. A strategy that leaves work in flight for the
+        next step (Lins' update gathers, waited for in the next forward) runs an untimed
+        lead-in step first, so that the timed step starts with the previous step's
+        gathers in flight as in a training loop, and is settled, untimed, afterwards, so
+        that its own gathers neither run behind the next strategy's step nor slow it."""
+        settle = self.built.settle
+        if settle is None:
+            self.times[microbatches].append(self.step(microbatches))
+            return
+        self.step(microbatches)
+        self.times[microbatches].append(self.step(microbatches, barrier=False))
+        settle()
 
     def finish(self, microbatches: int) -> dict:
         self.records[microbatches] = list(self.built.records())

@@ -9,7 +9,10 @@ MiB = 1 << 20
 METHODS = {
     "step_time": "wall time of one optimizer step (all micro-batches, clipping, optimizer), the slowest rank's; "
                  "ranks start each step together after a barrier; timed steps of all strategies are interleaved "
-                 "(one step each per round, order rotated every round)",
+                 "(one step each per round, order rotated every round). Lins leaves its update gathers in flight for "
+                 "the next forward: its timed step follows an untimed step of its own directly (no barrier), so it "
+                 "starts with those gathers in flight as in a training loop, and its own gathers are waited for, "
+                 "untimed, before the next strategy runs",
     "tokens_per_s": "world x M x batch x seq tokens per step / median step time",
     "peak_memory": "from /proc/self/status, per rank (max and mean over ranks): resident growth while the strategy "
                    "is built (VmRSS after - before, after gc and malloc_trim) plus the peak of its warm-up steps at this M, "
@@ -109,7 +112,9 @@ def _plan_budget(row: dict) -> str | None:
 def compare(rows: list[dict]) -> dict:
     """The targets: each planner plan against the fastest other strategy (any runtime,
     DDP and Lins presets included) that fits the budget it was chosen for; against stock
-    FSDP2 and its best variant too; and Lins' fsdp preset against stock FSDP2."""
+    FSDP2 and its best variant too; and Lins' fsdp preset against stock FSDP2. A Lins
+    preset with the planner's very plan is the same strategy, not another one: it is
+    named (``same_plan_as``), not compared."""
     out: dict = {}
     lins_fsdp = _median(rows, "lins-fsdp")
     stock = _median(rows, "fsdp2")
@@ -124,7 +129,10 @@ def compare(rows: list[dict]) -> dict:
         entry = {"plan": r["plan"], "median_s": median}
         budget = _plan_budget(r)
         entry["budget"] = budget or "unlimited"
-        fitting = [x for x in others if budget is None or x["fits"].get(budget)]
+        same = [x["strategy"] for x in others if x["strategy"].startswith("lins-") and x["plan"] == r["plan"]]
+        if same:
+            entry["same_plan_as"] = same
+        fitting = [x for x in others if (budget is None or x["fits"].get(budget)) and x["strategy"] not in same]
         if fitting:
             best = min(fitting, key=lambda x: x["step_time_s"]["median"])
             entry["fastest_other_same_memory"] = f"{best['strategy']} ({best['plan'] or '-'})"
@@ -236,7 +244,7 @@ def markdown(result: dict) -> str:
                          f"({'within' if comp['lins_fsdp_within_3pct'] else 'outside'} 3 %)")
         for key, e in comp.items():
             if isinstance(e, dict):
-                parts = [f"{e['plan']} {e['median_s']:.3f} s"]
+                parts = [f"{e['plan']} {e['median_s']:.3f} s" + (f" (the plan of {', '.join(e['same_plan_as'])})" if e.get("same_plan_as") else "")]
                 if "speedup_vs_fastest_other_same_memory" in e:
                     parts.append(f"{e['speedup_vs_fastest_other_same_memory']:.2f}x vs the fastest other strategy that fits "
                                  f"{e['budget']}, {e['fastest_other_same_memory']} (target 1.15x: "

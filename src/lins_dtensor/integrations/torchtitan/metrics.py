@@ -32,7 +32,9 @@ class LinsMetricsProcessor(MetricsProcessor):
         return [lg.writer for lg in loggers if isinstance(lg, TensorBoardLogger)]
 
     def lins_scalars(self, model) -> dict[str, float]:
-        scalars = dict(lins_stats(model).scalars())
+        # Without waiting: the update gathers of the step just ended keep overlapping the
+        # next forward; while they run, the scalars are the previous step's.
+        scalars = dict(lins_stats(model, wait=False).scalars())
         measured = (time.perf_counter() - self.time_last_log) / self.job_config.metrics.log_freq
         scalars["lins/step_seconds/measured"] = measured
         resolved = getattr(model, RESOLVED_ATTR, None)
