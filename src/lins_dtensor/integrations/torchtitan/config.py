@@ -30,8 +30,9 @@ class Lins:
     training.mixed_precision_reduce. One of float32, bfloat16."""
 
     reduce_in_backward: bool = True
-    """Reduce the last micro-batch's gradients to the optimizer layout during backward
-    (overlapped) instead of at the optimizer step; results are identical."""
+    """Reduce the last micro-batch's gradients to the optimizer layout during its
+    backward, overlapped with it (Lins is told torchtitan's gradient accumulation steps);
+    false: at the optimizer step. Results are bitwise identical."""
 
     bandwidth_file: str = ""
     """JSON bandwidth profile for the planner (plan = "auto"); "" uses its hardware model."""

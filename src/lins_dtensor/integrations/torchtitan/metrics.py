@@ -1,8 +1,9 @@
 """The TrainSpec's ``build_metrics_processor_fn``: torchtitan's metrics plus ``lins/*``.
 
 Every time torchtitan logs a step, :class:`LinsMetricsProcessor` adds the Lins
-scalars of that step (``lins_stats(model).scalars()``: bytes per state / op / link,
-measured communication seconds, memory per state), the measured step time and,
+scalars (``lins_stats(model, wait=False).scalars()``: bytes per state / op / link,
+exposed and hidden communication seconds per state, memory per state) of the last
+step whose collectives have finished, the measured step time and,
 when the planner predicted one, the predicted step time. They go through torchtitan's
 own loggers, so they land in the same TensorBoard run. The plan and its start-up
 report are written once as TensorBoard text (``lins/plan``).
