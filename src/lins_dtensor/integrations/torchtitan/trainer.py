@@ -13,7 +13,8 @@
    reduces its gradients to the optimizer layout inside backward, overlapped with it;
    earlier micro-batches keep theirs in the G buffers. ``[lins] reduce_in_backward =
    false`` moves that reduction to the optimizer step
-   (:func:`lins_dtensor.set_requires_gradient_sync`).
+   (:func:`lins_dtensor.set_requires_gradient_sync`). After the last step it waits for
+   the update gathers still in flight, before torchtitan destroys the process groups.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torchtitan.train import Trainer
 
 from lins_dtensor.integrations.torchtitan.optimizer import LinsOptimizersContainer
 from lins_dtensor.integrations.torchtitan.plan import check_config
-from lins_dtensor.runtime import set_gradient_accumulation_steps, set_requires_gradient_sync
+from lins_dtensor.runtime import set_gradient_accumulation_steps, set_requires_gradient_sync, wait_for_updates
 
 
 class _DistUtilsWithLinsClip(types.ModuleType):
@@ -70,3 +71,11 @@ class LinsTrainer(Trainer):
             with _lins_clipping(self.optimizers):
                 return super().train_step(data_iterator)
         return super().train_step(data_iterator)
+
+    def train(self):
+        super().train()
+        # The last step's update gathers are still in flight (the next forward would
+        # have waited for them); torchtitan's main destroys the process groups next.
+        if isinstance(self.optimizers, LinsOptimizersContainer):
+            for model in self.model_parts:
+                wait_for_updates(model)
