@@ -53,6 +53,25 @@ def async_runs():
 
 
 @pytest.fixture(scope="session")
+def tied_runs():
+    """A GPT-2-shaped tree (blocks under transformer.layers) with the output head tied to
+    the embedding, under the default units, and with units given as a block class."""
+    tree = {"tied": True, "nested": True}
+    configs = _configs(["p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"], 2, microbatches=(3,), mode="told", model_kwargs=tree)
+    configs += _configs(["p=2,g=2,os=4"], 2, microbatches=(3,), mode="told", model_kwargs=tree, units="Block")
+    return run(train_lins, 4, configs), reference(4, 3, STEPS, model_kwargs=tree)
+
+
+@pytest.fixture(scope="session")
+def reinit_runs():
+    """Parameters replaced under Lins: meta-device build + to_empty + a full state dict,
+    and load_state_dict(assign=True), with P replicated (no FSDP2) and sharded."""
+    plans = ["p=1,g=2,os=4", "p=2,g=2,os=4"]
+    configs = [c for init in ("meta", "assign") for c in _configs(plans, 2, microbatches=(1,), mode="told", init=init)]
+    return run(train_lins, 4, configs)
+
+
+@pytest.fixture(scope="session")
 def world8_runs():
     return run(train_lins, 8, _configs(WORLD8_PLANS, 4) + _configs(WORLD8_PLANS, 4, mode="told"))
 

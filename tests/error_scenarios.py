@@ -14,12 +14,14 @@ from lins_dtensor import (
     LinsPlanError,
     apply_lins,
     build_lins_mesh,
+    clip_grad_norm_,
+    lins_optimizer,
     set_gradient_accumulation_steps,
     set_reduce_in_backward,
     set_requires_gradient_sync,
 )
 from lins_dtensor.runtime import lins_state
-from tiny_llama import build_model
+from tiny_llama import batch, build_model, loss_fn
 
 
 def _message(fn) -> str:
@@ -59,4 +61,32 @@ def misuse_messages() -> dict[str, str]:
     out["set_reduce_in_backward"] = (
         f"warns: {deprecated[0].message}; syncs: {lins_state(twice).requires_gradient_sync}" if deprecated else "no warning"
     )
+    tied = build_model(tied=True)
+    out["tied_units"] = _message(lambda: apply_lins(tied, mesh, units=[tied.tok_embeddings, *tied.layers, tied.output]))
+    out["units_class"] = _message(lambda: apply_lins(build_model(), mesh, units=torch.nn.LSTM))
+    subclassed = build_model()
+    subclassed.norm.weight = torch.nn.Parameter(torch.Tensor._make_subclass(_Float8Like, subclassed.norm.weight.detach()))
+    out["tensor_subclass"] = _message(lambda: apply_lins(subclassed, mesh))
+    out.update(_nonfinite_clipping(mesh))
+    out["bf16_model_masters"] = str(lins_state(apply_lins(build_model().to(torch.bfloat16), mesh)).ctx.master_dtype)
+    out["bf16_masters_asked"] = str(lins_state(apply_lins(build_model().to(torch.bfloat16), mesh, master_dtype=torch.bfloat16)).ctx.master_dtype)
+    out["master_dtype"] = _message(lambda: apply_lins(build_model(), mesh, master_dtype=torch.int32))
+    return out
+
+
+class _Float8Like(torch.Tensor):
+    """Stands in for a tensor subclass such as torchao's float8 weights."""
+
+
+def _nonfinite_clipping(mesh) -> dict[str, str]:
+    out = {}
+    for error in (False, True):
+        model = apply_lins(build_model(), mesh)
+        lins_optimizer(model, torch.optim.SGD, lr=0.1)
+        (loss_fn(model, batch(0, dist.get_rank(), 0)) * float("inf")).backward()
+        try:
+            norm = clip_grad_norm_(model, 1.0, error_if_nonfinite=error)
+            out[f"nonfinite_clip_{error}"] = f"returned {norm.item()}"
+        except RuntimeError as e:
+            out[f"nonfinite_clip_{error}"] = str(e)
     return out

@@ -3,6 +3,7 @@ plain data for the tests to check."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter
 
@@ -23,7 +24,7 @@ from lins_dtensor import (
 )
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import state_memory_bytes, step_collectives
-from tiny_llama import batch, build_model, loss_fn
+from tiny_llama import Block, batch, build_model, loss_fn
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-2, 0.1, 0.5
 
@@ -58,7 +59,9 @@ def _record_key(r):
 
 def train_lins(configs: list[dict]) -> list[dict]:
     """Each config: plan, microbatches, steps, ranks_per_node; optional param_dtype,
-    model_kwargs, clip (default True), max_inflight_bytes, and how Lins learns which
+    model_kwargs, clip (default True), max_inflight_bytes, units ("Block": by class), init
+    ("meta": built on the meta device, to_empty, then loaded; "assign": loaded with
+    load_state_dict(assign=True) after apply_lins), and how Lins learns which
     micro-batch is the last: mode "explicit" (default: set_requires_gradient_sync before
     each micro-batch, True on the last one only with reduce_in_backward), "told"
     (set_gradient_accumulation_steps(told_steps or M) once) or "learned" (nothing)."""
@@ -66,12 +69,18 @@ def train_lins(configs: list[dict]) -> list[dict]:
     results = []
     for cfg in configs:
         plan = LinsPlan.parse(cfg["plan"], world)
-        model = build_model(**cfg.get("model_kwargs", {}))
-        frozen_before = model.pos.detach().clone()
+        init = cfg.get("init")  # None, "meta" (to_empty, then a full state dict) or "assign"
+        with torch.device("meta") if init == "meta" else contextlib.nullcontext():
+            model = build_model(**cfg.get("model_kwargs", {}))
+        frozen_before = build_model(**cfg.get("model_kwargs", {})).pos.detach().clone()
         mesh = build_lins_mesh(plan, ranks_per_node=cfg["ranks_per_node"], device_type="cpu")
         param_dtype = cfg.get("param_dtype")
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-                   max_inflight_bytes=cfg.get("max_inflight_bytes"))
+                   max_inflight_bytes=cfg.get("max_inflight_bytes"), units=Block if cfg.get("units") == "Block" else None)
+        if init == "meta":
+            model.to_empty(device="cpu")
+        if init is not None:  # the values come from a plain full state dict
+            model.load_state_dict(build_model(**cfg.get("model_kwargs", {})).state_dict(), assign=init == "assign")
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         mbs, mode, clip = cfg["microbatches"], cfg.get("mode", "explicit"), cfg.get("clip", True)
         reduce_in_backward = cfg.get("reduce_in_backward", False)
@@ -118,6 +127,7 @@ def train_lins(configs: list[dict]) -> list[dict]:
             "config": cfg,
             "masters": masters,
             "params": params,
+            "units": [u.name for u in lins_state(model).units],
             "frozen_unchanged": bool(torch.equal(model.pos.detach().float(), frozen_before.to(model.pos.dtype).float())),
             "per_rank": per_rank,
             "records": counted,

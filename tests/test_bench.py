@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,8 +106,10 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert row["fits"] == {"0.0001 GiB": False, "unlimited": True}
 
 
-def test_bench_cluster_refuses_without_root():
-    """Without root the script says why in one line and exits non-zero."""
+def test_bench_cluster_refuses_without_root(tmp_path):
+    """Without root the script says why in one line and exits non-zero. As root, an
+    unprivileged user runs a world-readable copy of it, so the test does not depend on
+    who may read the checkout (a clone under a 0700 directory)."""
     if os.geteuid() != 0:
         proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
         assert proc.returncode != 0
@@ -114,10 +117,20 @@ def test_bench_cluster_refuses_without_root():
         return
     if shutil.which("setpriv") is None:
         pytest.skip("running as root and setpriv is not available to drop privileges")
-    proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(SCRIPT)],
-        capture_output=True, text=True, timeout=30, cwd="/",
-    )
+    public = Path(tempfile.mkdtemp(prefix="lins-bench-", dir="/tmp"))
+    try:
+        (public / "scripts").mkdir()
+        copy = public / "scripts" / SCRIPT.name
+        shutil.copyfile(SCRIPT, copy)
+        for path in (public, public / "scripts"):
+            path.chmod(0o755)
+        copy.chmod(0o644)
+        proc = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(copy)],
+            capture_output=True, text=True, timeout=30, cwd="/",
+        )
+    finally:
+        shutil.rmtree(public)
     assert proc.returncode != 0
     assert proc.stderr.strip().count("\n") == 0 and "root" in proc.stderr, proc.stderr
 

@@ -28,8 +28,27 @@ def messages():
         ("gradient_sync", "requires_gradient_sync='yes' must be True, False or None"),
         ("inflight_bytes", "max_inflight_bytes=-1 must be a non-negative integer or None"),
         ("set_reduce_in_backward", "set_requires_gradient_sync(model, enabled) is the direct replacement; syncs: True"),
+        ("tied_units", "units=: 'tok_embeddings' and 'output' share a parameter (tied weights); leave both out of units="),
+        ("units_class", "units=<class 'torch.nn.modules.rnn.LSTM'>: the model has no module of that class"),
+        ("tensor_subclass", "parameter 'norm.weight' is a _Float8Like tensor subclass"),
+        ("nonfinite_clip_False", "returned nan"),
+        ("bf16_model_masters", "torch.float32"),
+        ("bf16_masters_asked", "torch.bfloat16"),
+        ("master_dtype", "master_dtype=torch.int32 must be a floating-point torch.dtype or None"),
+        ("nonfinite_clip_True", "lins: clip_grad_norm_: the order-2 norm of the gradients is nan, not finite; nothing was clipped"),
     ],
 )
 def test_misuse_raises_clear_error(messages, case, expected):
     assert expected in messages[case]
     assert "\n" not in messages[case]
+
+
+def test_a_stopped_peer_fails_the_collective_within_the_timeout():
+    """A rank that stops responding ends the others' wait after the mesh's timeout with an
+    error that names the Lins collective, instead of a hang (30 minutes by default)."""
+    from fault_scenarios import stalled_peer
+
+    result = run(stalled_peer, 2, 3.0, 12.0)
+    assert result["message"].startswith("lins: collective grad_shard_reduce_scatter (grads) failed:"), result["message"]
+    assert "\n" not in result["message"]
+    assert 2.5 < result["elapsed_s"] < 10.0, result

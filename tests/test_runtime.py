@@ -103,6 +103,36 @@ def test_lins_stats_splits_collective_time_into_exposed_and_hidden(async_runs):
     assert scalars["lins/comm_seconds"] == pytest.approx(comm["grads"]["exposed"] + comm["optim"]["exposed"])
 
 
+def test_tied_embeddings_in_a_nested_tree_train_like_one_process(tied_runs):
+    """GPT-2's shape: blocks under transformer.layers become units wherever they sit, the
+    tied embedding / output head goes to the root unit (FSDP2 refuses it split across
+    two), and both state-dict keys carry the one master."""
+    runs, ref = tied_runs
+    assert len(runs) == 4
+    for run in runs:
+        cfg = run["config"]
+        err = worst_rel_err(run["masters"], ref)
+        assert err < 1e-5, f"{cfg['plan']} units={cfg.get('units')}: relative error {err:.2e}"
+        assert torch.equal(run["masters"]["output.weight"], run["masters"]["transformer.tok_embeddings.weight"])
+        blocks = ["transformer.layers.0", "transformer.layers.1"]
+        expected = blocks + ([] if cfg.get("units") else ["transformer.norm"]) + ["<root>"]
+        assert run["units"] == expected, run["units"]
+        assert all(info["bytes_match"] and info["memory"] == info["memory_expected"] for info in run["per_rank"]), cfg
+
+
+def test_replaced_parameters_are_followed(reinit_runs, references):
+    """to_empty after a meta-device build, and load_state_dict(assign=True), swap the
+    parameter objects (FSDP2's or the model's own); Lins follows them, so training from
+    the loaded values is training from them."""
+    assert len(reinit_runs) == 4
+    for run in reinit_runs:
+        cfg = run["config"]
+        err = worst_rel_err(run["masters"], references[(4, 1)])
+        assert err < 1e-5, f"{cfg['plan']} init={cfg['init']}: relative error {err:.2e}"
+        for name, value in run["params"].items():
+            assert torch.equal(value, run["masters"][name]), f"{cfg}: {name} P != OS master"
+
+
 def test_reduce_in_backward_matches_reference_and_bytes(overlap_runs, references):
     for run in overlap_runs:
         cfg = run["config"]

@@ -58,6 +58,25 @@ def test_wrong_lins_value_stops_at_startup(tmp_path, assets, override, key, rule
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("model", "converters", ["float8"], "[model] converters = ['float8']: Lins shards plain tensors"),
+        ("parallelism", "tensor_parallel_degree", 2, "[parallelism] tensor_parallel_degree = 2: [lins] enable = true supports"),
+    ],
+)
+def test_settings_lins_cannot_run_with_are_refused_in_one_line(section, key, value, expected):
+    from torchtitan.config import JobConfig
+
+    from lins_dtensor.integrations.torchtitan.plan import LinsConfigError, check_parallelism
+
+    job_config = JobConfig()
+    setattr(getattr(job_config, section), key, value)
+    with pytest.raises(LinsConfigError) as error:
+        check_parallelism(job_config)
+    assert str(error.value).startswith(expected) and "\n" not in str(error.value)
+
+
 @pytest.mark.timeout(660)
 def test_end_to_end_loss_falls_and_tensorboard_has_lins_scalars(tmp_path, assets):
     dump = tmp_path / "run"

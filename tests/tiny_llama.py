@@ -1,7 +1,9 @@
 """A small LLaMA-shaped model for the tests: embedding, attention, SwiGLU MLP,
 RMSNorm, output head. The vocabulary (50) does not divide by 4 or 8, the per-head
 gain (3 rows) leaves some shards empty at 4 and 8 ranks, and a frozen positional
-table checks that parameters without gradients stay replicated."""
+table checks that parameters without gradients stay replicated. ``tied=True`` ties the
+output head to the embedding (GPT-2, Llama 3.2 1B); ``nested=True`` puts embedding,
+blocks and norm under ``transformer`` as Hugging Face trees do (``transformer.h``)."""
 
 from __future__ import annotations
 
@@ -52,21 +54,37 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class TinyLlama(nn.Module):
-    def __init__(self, vocab: int = 50, dim: int = 24, n_heads: int = 3, hidden: int = 40, n_layers: int = 2, seq: int = 8) -> None:
+class Trunk(nn.Module):
+    """Embedding, blocks and final norm, under ``transformer`` (``nested=True``)."""
+
+    def __init__(self, tok_embeddings: nn.Module, layers: nn.ModuleList, norm: nn.Module) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.tok_embeddings, self.layers, self.norm = tok_embeddings, layers, norm
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab: int = 50, dim: int = 24, n_heads: int = 3, hidden: int = 40, n_layers: int = 2, seq: int = 8,
+                 tied: bool = False, nested: bool = False) -> None:
+        super().__init__()
+        tok_embeddings = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1, requires_grad=False)
-        self.layers = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
-        self.norm = nn.RMSNorm(dim)
+        layers = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
+        norm = nn.RMSNorm(dim)
+        if nested:
+            self.transformer = Trunk(tok_embeddings, layers, norm)
+        else:
+            self.tok_embeddings, self.layers, self.norm = tok_embeddings, layers, norm
         self.output = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.output.weight = tok_embeddings.weight
         self.vocab, self.seq = vocab, seq
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens) + self.pos[: tokens.shape[1]]
-        for layer in self.layers:
+        trunk = self.transformer if hasattr(self, "transformer") else self
+        x = trunk.tok_embeddings(tokens) + self.pos[: tokens.shape[1]]
+        for layer in trunk.layers:
             x = layer(x)
-        return self.output(self.norm(x))
+        return self.output(trunk.norm(x))
 
 
 def build_model(seed: int = 0, **kwargs) -> TinyLlama:

@@ -213,15 +213,19 @@ class Flight:
         blocked is this collective's exposed time."""
         if self.joined:
             return
-        if self.stream.on_device:
-            with self.stream.scope():
+        try:
+            if self.stream.on_device:
+                with self.stream.scope():
+                    self.work.wait()
+                self.timing.end_event = self.stream.event_on_side()
+            else:
+                start = time.perf_counter()
                 self.work.wait()
-            self.timing.end_event = self.stream.event_on_side()
-        else:
-            start = time.perf_counter()
-            self.work.wait()
-            self.timing.exposed += time.perf_counter() - start
-            self.timing.mark_finished()
+                self.timing.exposed += time.perf_counter() - start
+                self.timing.mark_finished()
+        except RuntimeError as error:  # c10d's DistBackendError (a peer died, stopped or timed out) among them
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RuntimeError(f"lins: collective {self.timing.name} ({self.timing.state}) failed: {cause}") from error
         self.joined = True
 
 

@@ -4,15 +4,30 @@ it waits for. Nothing else in lins_dtensor touches a private torch name.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+# The torch releases whose private APIs below match (pyproject's range); 2.13.0 is the
+# one the test suite runs on. Outside the range, stop at import with one line rather
+# than fail somewhere inside FSDP2.
+SUPPORTED_TORCH = ((2, 11), (2, 14))
+_found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+if not SUPPORTED_TORCH[0] <= _found <= SUPPORTED_TORCH[1]:
+    raise ImportError(
+        f"lins_dtensor supports torch 2.11 to 2.14 (tested on 2.13.0); this is torch {torch.__version__}: "
+        "install torch==2.13.0"
+    )
+
 # Waits for: ``AllGather`` / ``ReduceScatter`` exported from ``torch.distributed.fsdp``
 # (the types ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` take).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: F401
+
+# Waits for: a public setter of a process group's timeout (see set_group_timeout).
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 
 def fsdp_unit_params(module: nn.Module) -> list[nn.Parameter]:
@@ -80,3 +95,11 @@ def map_floating_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) 
     from torch.utils._pytree import tree_map_only
 
     return tree_map_only(torch.Tensor, lambda t: fn(t) if torch.is_floating_point(t) else t, tree)
+
+
+def set_group_timeout(group: torch.distributed.ProcessGroup, timeout: datetime.timedelta) -> None:
+    """Change how long ``group``'s collectives may wait for a peer before they fail.
+    Waits for: a public setter (``new_group(timeout=)`` and DeviceMesh's
+    ``backend_override`` only apply at creation; torchtitan uses this same private
+    function to move its groups from the start-up to the training timeout)."""
+    _set_pg_timeout(timeout, group)

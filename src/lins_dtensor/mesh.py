@@ -13,6 +13,7 @@ rank order DTensor expects.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from lins_dtensor.compat import set_group_timeout
 from lins_dtensor.plan import LinsPlan, LinsPlanError
 
 OPTIM_REPLICA = "optim_replica"  # N / s_os copies of each OS shard
@@ -57,6 +59,15 @@ class LinsMesh:
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.device_mesh.get_group(dim)
 
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """How long a collective on any of the mesh's groups (Lins' and FSDP2's) waits
+        for a peer before it fails: a stopped or dead rank then ends the job with an
+        error that names the collective instead of hanging."""
+        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+            raise LinsPlanError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+        for dim in MESH_DIMS:
+            set_group_timeout(self.group(dim), timeout)
+
     def param_mesh(self) -> DeviceMesh:
         """The 1-D mesh FSDP2 shards parameters on."""
         return self.device_mesh[PARAM_SHARD]
@@ -86,12 +97,17 @@ def build_lins_mesh(
     world_size: int | None = None,
     ranks_per_node: int | None = None,
     device_type: str | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> LinsMesh:
     """Validate ``plan`` and build its mesh (a collective: every rank must call it).
 
     ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE`` (set by torchrun), else the
-    world size; ``device_type`` to "cuda" when available, else "cpu".
+    world size; ``device_type`` to "cuda" when available, else "cpu". ``timeout``: how
+    long the mesh's collectives wait for a peer (:meth:`LinsMesh.set_timeout`; default:
+    the process groups' own, 30 minutes for gloo and NCCL).
     """
+    if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
+        raise LinsPlanError(f"timeout={timeout!r} must be a positive datetime.timedelta")
     if not dist.is_initialized():
         raise LinsPlanError("build_lins_mesh needs torch.distributed to be initialised first")
     actual_world = dist.get_world_size()
@@ -109,4 +125,7 @@ def build_lins_mesh(
     # dims as (replica, param, grad, optim) so that Shard(0) nests OS in G in P.
     ranks = torch.arange(world_size).view(r, o, g, p).permute(0, 3, 2, 1).contiguous()
     device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
-    return LinsMesh(device_mesh, plan, ranks_per_node)
+    mesh = LinsMesh(device_mesh, plan, ranks_per_node)
+    if timeout is not None:
+        mesh.set_timeout(timeout)
+    return mesh

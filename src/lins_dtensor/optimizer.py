@@ -140,14 +140,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of a Lins model by their global norm; returns the norm.
 
     Call it between backward and ``optimizer.step()``. The model's own parameters carry
     no gradients under Lins (they live in G buffers until the step), so
     ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would see none: use this.
     It reduces the gradients into the masters (the step then reuses them) and takes
-    the norm over the OS shards with one scalar all-reduce.
+    the norm over the OS shards with one scalar all-reduce. A non-finite norm behaves
+    as in ``torch.nn.utils.clip_grad_norm_``: returned, and the gradients scaled by it,
+    or, with ``error_if_nonfinite``, a ``RuntimeError`` on every rank (all ranks see the
+    same reduced norm) before anything is scaled.
     """
     state = lins_state(model)
     state.reduce_gradients()
@@ -166,6 +169,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         # Every OS shard is held by N / s_os replicas, each of which added it.
         replicas = state.mesh.world_size // state.plan.optim
         norm = (total[0] / replicas) ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(
+            f"lins: clip_grad_norm_: the order-{norm_type:g} norm of the gradients is {norm.item()}, not finite; "
+            "nothing was clipped (error_if_nonfinite=False scales the gradients by it, like torch)"
+        )
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if grads:
         foreach_mul_(grads, coef)

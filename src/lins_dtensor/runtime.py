@@ -259,14 +259,67 @@ def wait_for_updates(model: nn.Module) -> None:
 
 # ----- apply ---------------------------------------------------------------------------------------
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """The modules to shard as units, torchtitan-style: every child of the root that has
-    parameters, with ``nn.ModuleList`` / ``nn.ModuleDict`` children expanded into their
-    blocks. The root becomes a unit of whatever parameters are left."""
+    """The modules to shard as units, the way FSDP users wrap by block: each block of an
+    ``nn.ModuleList`` / ``nn.ModuleDict`` wherever it sits (torchtitan's ``layers``, a
+    Hugging Face ``transformer.h``), and each other module with parameters on the way
+    down to them (embeddings, final norm, output head). Modules that share a parameter
+    (tied input and output embeddings) are left out: their parameters go to the root
+    unit, which takes whatever no unit holds."""
     units: list[nn.Module] = []
-    for child in model.children():
-        members = list(child.children()) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]
-        units.extend(m for m in members if any(True for _ in m.parameters()))
-    return units
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                units.extend(block for block in child.children() if _has_params(block))
+            elif any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in child.modules()):
+                visit(child)
+            elif _has_params(child):
+                units.append(child)
+
+    visit(model)
+    return _without_shared_params(units)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _without_shared_params(units: list[nn.Module]) -> list[nn.Module]:
+    owners: dict[int, int] = {}
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
+            owners[id(p)] = i if owners.get(id(p), i) == i else -1
+    shared = {i for i, unit in enumerate(units) for p in unit.parameters() if owners[id(p)] == -1}
+    return [unit for i, unit in enumerate(units) if i not in shared]
+
+
+def resolve_units(model: nn.Module, units: Iterable[nn.Module] | type | tuple[type, ...] | None) -> list[nn.Module]:
+    """The unit modules ``apply_lins`` shards, the root excluded: :func:`default_units`,
+    the given modules, or every outermost module of the given block class(es)."""
+    if units is None:
+        return default_units(model)
+    if isinstance(units, type) or (isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)):
+        chosen: list[nn.Module] = []
+        for m in model.modules():
+            if m is not model and isinstance(m, units) and not any(m in set(c.modules()) for c in chosen):
+                chosen.append(m)
+        if not chosen:
+            raise LinsPlanError(f"units={units!r}: the model has no module of that class")
+        return chosen
+    chosen = list(units)
+    names = {id(m): n for n, m in model.named_modules()}
+    first_owner: dict[int, nn.Module] = {}
+    for unit in chosen:
+        if id(unit) not in names or unit is model:
+            raise LinsPlanError("units= must list submodules of the model (the root is always a unit)")
+        for p in unit.parameters():
+            other = first_owner.setdefault(id(p), unit)
+            if other is not unit and not any(other is m for m in unit.modules()) and not any(unit is m for m in other.modules()):
+                raise LinsPlanError(
+                    f"units=: '{names[id(other)]}' and '{names[id(unit)]}' share a parameter (tied weights); "
+                    "leave both out of units= so that the root unit holds it"
+                )
+    return chosen
 
 
 def _check_model(model: nn.Module) -> None:
@@ -280,6 +333,11 @@ def _check_model(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
             raise LinsPlanError(f"parameter '{name}' is already a DTensor; Lins does not compose with tensor parallelism yet")
+        if type(param) not in (nn.Parameter, torch.Tensor):
+            raise LinsPlanError(
+                f"parameter '{name}' is a {type(param).__name__} tensor subclass (float8 training, torchtitan's "
+                "[model] converters?); Lins shards plain tensors only: train it without the conversion"
+            )
         if param.dim() == 0:
             raise LinsPlanError(f"parameter '{name}' is 0-dimensional; FSDP2 shards dim 0, reshape it to (1,)")
 
@@ -291,17 +349,22 @@ def apply_lins(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     gradient_divide_factor: float | None = None,
-    units: Iterable[nn.Module] | None = None,
+    units: Iterable[nn.Module] | type | tuple[type, ...] | None = None,
     max_inflight_bytes: int | None = None,
+    master_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place under ``plan`` and return it.
 
     ``mp_policy.param_dtype`` is the dtype parameters are stored (P) and computed in,
     ``reduce_dtype`` the dtype gradients are reduced and accumulated in (G, default
-    fp32); masters keep the model's original dtype. Gradients are averaged over all
+    fp32); the optimizer's masters are ``master_dtype``: by default the model's dtype,
+    or fp32 for a model built in bf16 / fp16 (an optimizer in half precision loses
+    updates smaller than its rounding). Gradients are averaged over all
     ranks (``gradient_divide_factor`` = world size) unless another factor is given,
-    e.g. 1.0 to sum them. ``units`` are the modules to shard separately (default:
-    :func:`default_units`); the model itself is always the root unit.
+    e.g. 1.0 to sum them. ``units`` are the modules to shard separately: a list of
+    modules, a block class (or tuple of classes: every outermost module of it), or None
+    for :func:`default_units`; the model itself is always the root unit, and holds the
+    parameters no unit does (tied weights among them).
     ``max_inflight_bytes`` bounds the transient buffers of Lins' collectives in flight
     (default: twice the largest unit's).
     """
@@ -313,13 +376,18 @@ def apply_lins(
     expected = mesh_shape(plan, mesh.world_size)
     if tuple(mesh.device_mesh.shape) != expected or mesh.device_mesh.mesh_dim_names != MESH_DIMS:
         raise LinsPlanError(f"mesh shape {tuple(mesh.device_mesh.shape)} does not match plan '{plan}' (expected {expected})")
+    if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
+        raise LinsPlanError(f"master_dtype={master_dtype!r} must be a floating-point torch.dtype or None")
     if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0):
         raise LinsPlanError(f"max_inflight_bytes={max_inflight_bytes!r} must be a non-negative integer or None")
     _check_model(model)
+    unit_list = resolve_units(model, units)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params = dict(model.named_parameters())
-    master_dtype = next(iter(params.values())).dtype if params else torch.float32
-    param_dtype = mp_policy.param_dtype or master_dtype
+    model_dtype = next(iter(params.values())).dtype if params else torch.float32
+    if master_dtype is None:
+        master_dtype = torch.float32 if model_dtype in (torch.bfloat16, torch.float16) else model_dtype
+    param_dtype = mp_policy.param_dtype or model_dtype
     reduce_dtype = mp_policy.reduce_dtype or torch.float32
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
 
@@ -342,11 +410,11 @@ def apply_lins(
         CommRecorder(mesh.ranks_per_node), stream, Executor(stream, max_inflight_bytes or 0),
     )
     state = LinsState(ctx)
-    unit_modules = list(default_units(model) if units is None else units) + [model]
+    unit_modules = unit_list + [model]
     names = {id(m): n for n, m in model.named_modules()}
     claimed: set[int] = set()
     for module in unit_modules:
-        backend = _make_backend(module, mesh, mp_policy, param_dtype, reduce_dtype, frozen, claimed)
+        backend = _make_backend(module, mesh, mp_policy, param_dtype, reduce_dtype, frozen, claimed, module is model)
         if not backend.params:
             continue
         # fully_shard swaps in new Parameter objects: look the names up afterwards.
@@ -367,14 +435,18 @@ def apply_lins(
 
 def _make_backend(
     module: nn.Module, mesh: LinsMesh, mp_policy: MixedPrecisionPolicy, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-    frozen: set, claimed: set[int],
+    frozen: set, claimed: set[int], is_root: bool,
 ) -> Backend:
     """FSDP2 where P is sharded; where it is replicated, the module's parameters as they
     are (those no earlier unit took, as FSDP2 leaves nested units' parameters to them)."""
     plan = mesh.plan
     if plan.params > 1:
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=mp_policy.output_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
-        fully_shard(module, mesh=mesh.param_mesh(), reshard_after_forward=plan.reshard_after_forward, mp_policy=policy, ignored_params=frozen)
+        # The root keeps its parameters from forward to backward (FSDP2's default for
+        # the root, None; the schedule counts no re-gather for it): its backward starts
+        # right after its forward ends. It holds the tied embedding / head, if any.
+        reshard = None if is_root else plan.reshard_after_forward
+        fully_shard(module, mesh=mesh.param_mesh(), reshard_after_forward=reshard, mp_policy=policy, ignored_params=frozen)
         return ShardedParams(module, fsdp_unit_params(module))
     own = [p for p in module.parameters() if id(p) not in claimed and p not in frozen]
     claimed.update(id(p) for p in module.parameters())
@@ -395,12 +467,20 @@ def _clean_fqn(name: str) -> str:
 
 
 def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
+    # A tied parameter has one master under its first name; its other names (the output
+    # head's weight tied to the embedding's) carry the same master in state dicts.
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(_clean_fqn(name))
+    aliases = {group[0]: group[1:] for group in names.values() if len(group) > 1}
+
     def save_masters(module, state_dict, prefix, local_metadata):
         # Checkpoints hold the full-precision masters on the OS layout, the source of
         # truth; P is derived from them on load.
         state.wait_for_updates()
         for fqn, master in state.masters().items():
-            state_dict[prefix + fqn] = master
+            for key in (fqn, *aliases.get(fqn, ())):
+                state_dict[prefix + key] = master
 
     def load_masters(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         state.wait_for_updates()
@@ -414,8 +494,9 @@ def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
             state.wait_for_updates()
         for unit in state.units:
             for fqn, param in zip(unit.fqns, unit.params):
-                if prefix + fqn in state_dict:
-                    state_dict[prefix + fqn] = param
+                for key in (fqn, *aliases.get(fqn, ())):
+                    if prefix + key in state_dict:
+                        state_dict[prefix + key] = param  # P already holds it: the copy is a no-op
 
     model.register_state_dict_post_hook(save_masters)
     model.register_load_state_dict_pre_hook(load_masters)

@@ -8,6 +8,8 @@ It keeps torchtitan's order (activation checkpointing, then per-block
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -15,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lins_dtensor import apply_lins, build_lins_mesh
 from lins_dtensor.integrations.torchtitan import plan as lins_plan
 from lins_dtensor.integrations.torchtitan.planning import table
+from lins_dtensor.runtime import lins_state
 
 # Set on the model for the optimizer builder and the metrics processor.
 RESOLVED_ATTR = "_lins_resolved"
@@ -56,7 +59,10 @@ def parallelize_lins(model: nn.Module, parallel_dims, job_config):
     param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
     reduce_dtype = TORCH_DTYPE_MAP[lins.grad_dtype or job_config.training.mixed_precision_reduce]
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = build_lins_mesh(resolved.plan, world, resolved.ranks_per_node, device_type)
+    # Lins' groups follow torchtitan's timeouts: start-up now, training after step 1
+    # (LinsTrainer), so a stopped rank ends the job instead of hanging it.
+    mesh = build_lins_mesh(resolved.plan, world, resolved.ranks_per_node, device_type,
+                           timeout=timedelta(seconds=job_config.comm.init_timeout_seconds))
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     report = table(resolved.plan, resolved.prediction, world, resolved.ranks_per_node, num_params, param_dtype.itemsize, reduce_dtype.itemsize)
     if torch.distributed.get_rank() == 0:
@@ -74,5 +80,8 @@ def parallelize_lins(model: nn.Module, parallel_dims, job_config):
     setattr(model, RESOLVED_ATTR, resolved)
     setattr(model, MAX_NORM_ATTR, float(job_config.training.max_norm))
     setattr(model, REPORT_ATTR, report)
-    logger.info(f"Applied Lins plan {resolved.plan} to the model")
+    logger.info(
+        f"Applied Lins plan {resolved.plan} to the model: parameters in {param_dtype}, gradients reduced in "
+        f"{reduce_dtype}, optimizer on {lins_state(model).ctx.master_dtype} masters"
+    )
     return model

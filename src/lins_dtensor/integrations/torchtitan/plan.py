@@ -52,6 +52,11 @@ def check_parallelism(job_config) -> None:
         raise LinsConfigError("[training] enable_cpu_offload = true: not supported with [lins] enable = true")
     if job_config.optimizer.early_step_in_backward:
         raise LinsConfigError("[optimizer] early_step_in_backward = true: not supported with [lins] enable = true")
+    if job_config.model.converters:
+        raise LinsConfigError(
+            f"[model] converters = {list(job_config.model.converters)}: Lins shards plain tensors and does not "
+            "compose with float8 / quantized converters yet; remove them or set [lins] enable = false"
+        )
 
 
 def check_config(job_config) -> None:

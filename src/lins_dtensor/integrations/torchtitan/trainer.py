@@ -1,4 +1,4 @@
-"""``LinsTrainer``: torchtitan's ``Trainer`` with three additions.
+"""``LinsTrainer``: torchtitan's ``Trainer`` with these additions.
 
 1. The ``[lins]`` section is checked before anything starts, so a wrong value stops
    the run with one line naming the key and the rule.
@@ -14,20 +14,22 @@
    earlier micro-batches keep theirs in the G buffers. ``[lins] reduce_in_backward =
    false`` moves that reduction to the optimizer step
    (:func:`lins_dtensor.set_requires_gradient_sync`). After the last step it waits for
-   the update gathers still in flight, before torchtitan destroys the process groups.
+   the update gathers still in flight, before torchtitan destroys the process groups,
+   and Lins' groups follow ``[comm]`` timeouts (start-up, then training after step 1).
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
+from datetime import timedelta
 
 import torchtitan.train as titan_train
 from torchtitan.train import Trainer
 
 from lins_dtensor.integrations.torchtitan.optimizer import LinsOptimizersContainer
 from lins_dtensor.integrations.torchtitan.plan import check_config
-from lins_dtensor.runtime import set_gradient_accumulation_steps, set_requires_gradient_sync, wait_for_updates
+from lins_dtensor.runtime import lins_state, set_gradient_accumulation_steps, set_requires_gradient_sync, wait_for_updates
 
 
 class _DistUtilsWithLinsClip(types.ModuleType):
@@ -69,7 +71,12 @@ class LinsTrainer(Trainer):
                 set_gradient_accumulation_steps(model, self.gradient_accumulation_steps)
                 set_requires_gradient_sync(model, None if self.job_config.lins.reduce_in_backward else False)
             with _lins_clipping(self.optimizers):
-                return super().train_step(data_iterator)
+                result = super().train_step(data_iterator)
+            if self.step == 1:  # as torchtitan moves its own groups to the training timeout
+                timeout = timedelta(seconds=self.job_config.comm.train_timeout_seconds)
+                for model in self.model_parts:
+                    lins_state(model).mesh.set_timeout(timeout)
+            return result
         return super().train_step(data_iterator)
 
     def train(self):
