@@ -29,6 +29,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 # Waits for: a public setter of a process group's timeout (see set_group_timeout).
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+# Waits for: ``torch.utils._pytree`` becoming public (see map_floating_tensors).
+from torch.utils._pytree import tree_map_only
+
 
 def fsdp_unit_params(module: nn.Module) -> list[nn.Parameter]:
     """The sharded parameters FSDP2 manages for ``module``, in the order of its
@@ -92,8 +95,6 @@ def map_floating_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) 
     """Apply ``fn`` to every floating-point tensor in a nest of tuples, lists and dicts.
 
     Waits for: ``torch.utils._pytree`` becoming public (FSDP2 uses it for the same casts)."""
-    from torch.utils._pytree import tree_map_only
-
     return tree_map_only(torch.Tensor, lambda t: fn(t) if torch.is_floating_point(t) else t, tree)
 
 

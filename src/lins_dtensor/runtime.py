@@ -193,15 +193,13 @@ class LinsState:
         for unit in self.units:
             unit.wait_update()
 
-    def memory_bytes(self) -> dict[str, int]:
-        """Persistent bytes this rank holds per state, measured on the live tensors."""
-        from lins_dtensor.optimizer import optimizer_state_bytes
-
+    def unit_memory_bytes(self) -> dict[str, int]:
+        """Persistent bytes the units hold per state (P, G, masters), measured on the live
+        tensors; :func:`lins_dtensor.stats.memory_bytes` adds the optimizer's states."""
         total = {"params": 0, "grads": 0, "optim": 0}
         for unit in self.units:
             for state, nbytes in unit.memory_bytes().items():
                 total[state] += nbytes
-        total["optim"] += optimizer_state_bytes(self.optimizer)
         return total
 
 

@@ -8,6 +8,7 @@ import dataclasses
 from torch import nn
 
 from lins_dtensor.collectives import CommTiming
+from lins_dtensor.optimizer import optimizer_state_bytes
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import CollectiveRecord, summarize
 
@@ -74,4 +75,13 @@ def lins_stats(model: nn.Module, *, wait: bool = True) -> LinsStats:
     if wait:
         state.wait_for_updates()
     records, timings = state.recorder.ended(2 if state.updates_in_flight() else 1)
-    return LinsStats(str(state.plan), list(records), list(timings), state.memory_bytes())
+    return LinsStats(str(state.plan), list(records), list(timings), memory_bytes(model))
+
+
+def memory_bytes(model: nn.Module) -> dict[str, int]:
+    """Persistent bytes this rank holds per state, measured on the live tensors: P, G,
+    and the masters plus the optimizer's states under "optim"."""
+    state = lins_state(model)
+    total = state.unit_memory_bytes()
+    total["optim"] += optimizer_state_bytes(state.optimizer)
+    return total

@@ -11,6 +11,7 @@ environment says otherwise. A wrong ``[lins]`` value ends the run with one line
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 
@@ -18,8 +19,6 @@ def _single_process_env() -> None:
     """Let ``python -m lins_dtensor.train`` run as a world of one without torchrun."""
     if "RANK" in os.environ:
         return
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -34,7 +33,9 @@ def main() -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     _single_process_env()
 
-    # Registers the lins_llama3 TrainSpec and dataset, and patches torchtitan for CPU.
+    # Imported only now, after the environment above is set (torchtitan and Hugging
+    # Face read it at import): registers the lins_llama3 TrainSpec and dataset, and
+    # patches torchtitan for CPU.
     import lins_dtensor.integrations.torchtitan  # noqa: F401
     import torchtitan.train as titan_train
     from lins_dtensor.integrations.torchtitan.trainer import LinsTrainer

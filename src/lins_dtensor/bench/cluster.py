@@ -168,7 +168,7 @@ class Strategies:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         from lins_dtensor import LinsPlan, apply_lins, clip_grad_norm_, lins_optimizer, lins_stats, set_gradient_accumulation_steps, wait_for_updates
-        from lins_dtensor.runtime import lins_state
+        from lins_dtensor.stats import memory_bytes
 
         plan = LinsPlan.parse(plan_text, self.world)
         mesh = self.lins_mesh(plan)
@@ -187,7 +187,7 @@ class Strategies:
             clip=lambda: clip_grad_norm_(model, MAX_NORM),
             records=lambda: lins_stats(model).collectives,
             end_step=lambda: None,  # the Lins optimizer hook ends the recorder's step
-            state_bytes=lambda: dict(lins_state(model).memory_bytes()),
+            state_bytes=lambda: memory_bytes(model),
             microbatch_context=context,
             comm_time=lambda: lins_stats(model).comm_time(),
             settle=lambda: wait_for_updates(model),

@@ -15,6 +15,7 @@ from lins_dtensor.plan import LinsPlanError
 from lins_dtensor.planner.bandwidth import BandwidthTable
 from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, GiB, hardware_preset
 from lins_dtensor.planner.models import MODEL_PRESETS, PlannerError, model_preset
+from lins_dtensor.planner.profile import run_profile
 from lins_dtensor.planner.report import to_json, to_text
 from lins_dtensor.planner.search import search
 from lins_dtensor.planner.training import TrainingSpec
@@ -92,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] == "profile":
-            from lins_dtensor.planner.profile import run_profile
-
             return run_profile(argv[1:])
         return run_plan(argv)
     except (PlannerError, LinsPlanError) as exc:

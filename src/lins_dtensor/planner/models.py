@@ -13,6 +13,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from torch import nn
+
+from lins_dtensor.runtime import default_units
+
 Shape = tuple[int, ...]
 
 
@@ -120,10 +124,6 @@ def model_from_module(
     Architecture numbers the shapes cannot tell (heads, ...) are read from a
     torchtitan-style ``model_args`` attribute when present, else must be given.
     """
-    from torch import nn
-
-    from lins_dtensor.runtime import default_units
-
     unit_modules = default_units(module)
     claimed: set[int] = set()
     units: list[tuple[Shape, ...]] = []

@@ -14,6 +14,9 @@ import re
 import time
 import warnings
 
+import torch
+import torch.distributed as dist
+
 from lins_dtensor.plan import valid_plans
 from lins_dtensor.planner.bandwidth import BandwidthTable, monotone
 from lins_dtensor.planner.models import PlannerError
@@ -65,9 +68,6 @@ def profile_bandwidth(
     sizes: list[int], *, ranks_per_node: int, iters: int = 5, shapes: list[tuple[str, int, int]] | None = None, dtype=None,
 ) -> BandwidthTable:
     """Measure every needed shape at every message size (a collective: all ranks call it)."""
-    import torch
-    import torch.distributed as dist
-
     # torch 2.13 marks the *_tensor collectives deprecated; they are what Lins calls.
     warnings.filterwarnings("ignore", message=".*_tensor.*deprecated.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -115,8 +115,6 @@ def profile_bandwidth(
 
 def _sync(device) -> None:
     if device.type == "cuda":
-        import torch
-
         torch.cuda.synchronize(device)
 
 
@@ -134,9 +132,6 @@ def run_profile(argv: list[str]) -> int:
     sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size), args.factor)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise PlannerError("lins-plan profile must run under torchrun (RANK / WORLD_SIZE are not set)")
-    import torch
-    import torch.distributed as dist
-
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from torch import nn
+
 from lins_dtensor.plan import LinsPlan, LinsPlanError, valid_plans
 from lins_dtensor.planner.bandwidth import CollectiveTimer
 from lins_dtensor.planner.cost import PlanCost, evaluate
@@ -64,11 +66,7 @@ def resolve_model(model, **module_hints) -> ModelSpec:
         return model
     if isinstance(model, str):
         return model_preset(model)
-    try:
-        from torch import nn
-    except ImportError:  # pragma: no cover
-        nn = None
-    if nn is not None and isinstance(model, nn.Module):
+    if isinstance(model, nn.Module):
         return model_from_module(model, **module_hints)
     raise PlannerError(f"model must be a ModelSpec, a preset name or an nn.Module, got {type(model).__name__}")
 

@@ -16,6 +16,10 @@ import os
 import sysconfig
 from pathlib import Path
 
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.protocols.train_spec import get_train_spec
+
 DATASET_NAME = "python_stdlib"
 CORPUS_FILE = "corpus.jsonl"
 _MAX_CORPUS_BYTES = 3_000_000  # ~3 MB of text: ~1M tokens, plenty for debug runs
@@ -122,9 +126,6 @@ def _load_corpus(path: str):
 
 def register_dataset() -> None:
     """Add ``python_stdlib`` to torchtitan's dataset registry (idempotent)."""
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
     if DATASET_NAME not in DATASETS:
         DATASETS[DATASET_NAME] = DatasetConfig(path="", loader=_load_corpus, sample_processor=lambda s: s["text"])
 
@@ -141,8 +142,6 @@ def build_tokenizer(job_config, build_hf_tokenizer):
 
 
 def _model_vocab_size(job_config) -> int:
-    from torchtitan.protocols.train_spec import get_train_spec
-
     try:
         args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
         return int(getattr(args, "vocab_size", 2048))

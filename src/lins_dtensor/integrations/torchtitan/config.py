@@ -9,6 +9,13 @@ command line (``--lins.plan zero2``).
 
 from dataclasses import dataclass, field
 
+from lins_dtensor.plan import LinsPlanError
+
+
+
+class LinsConfigError(LinsPlanError):
+    """A ``[lins]`` value torchtitan cannot run with; the message names key and rule."""
+
 
 @dataclass
 class Lins:

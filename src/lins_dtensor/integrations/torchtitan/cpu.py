@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import resource
 import types
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 _INSTALLED = False
 
@@ -62,8 +64,6 @@ class _CpuDevice(types.SimpleNamespace):
     @staticmethod
     def memory_stats(device=None) -> dict:
         # Host memory: the process's peak resident set (it cannot be reset).
-        import resource
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
 
@@ -106,8 +106,6 @@ def _profiler_namespace() -> types.SimpleNamespace:
 def _force_sum_fsdp() -> None:
     """torchtitan sets FSDP's gradient divide factor to 1.0, which FSDP2 implements with
     PREMUL_SUM; gloo lacks it. A plain SUM gives the same result (factor 1)."""
-    from torch.distributed.fsdp import FSDPModule
-
     parallelize = importlib.import_module("torchtitan.models.llama3.infra.parallelize")
     original = parallelize.disable_fsdp_gradient_division
 

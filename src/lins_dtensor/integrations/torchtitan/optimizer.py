@@ -18,6 +18,7 @@ from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 
 from lins_dtensor import clip_grad_norm_, lins_optimizer
+from lins_dtensor.integrations.torchtitan.parallelize import MAX_NORM_ATTR
 
 
 def _key(fqn: str) -> str:
@@ -91,8 +92,6 @@ class LinsOptimizersContainer(OptimizersContainer):
 
 def build_lins_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims, ft_manager=None):
     """torchtitan's ``build_optimizers`` contract; Lins models get the Lins container."""
-    from lins_dtensor.integrations.torchtitan.parallelize import MAX_NORM_ATTR
-
     if not all(hasattr(m, "_lins_state") for m in model_parts):
         return build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     if optimizer_config.early_step_in_backward:

@@ -13,6 +13,10 @@ from datetime import timedelta
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.llama3.infra import parallelize as llama_parallelize
+from torchtitan.tools.logging import logger
 
 from lins_dtensor import apply_lins, build_lins_mesh
 from lins_dtensor.integrations.torchtitan import plan as lins_plan
@@ -26,11 +30,6 @@ REPORT_ATTR = "_lins_report"
 
 
 def parallelize_lins(model: nn.Module, parallel_dims, job_config):
-    from torchtitan.config import TORCH_DTYPE_MAP
-    from torchtitan.distributed.activation_checkpoint import apply_ac
-    from torchtitan.models.llama3.infra import parallelize as llama_parallelize
-    from torchtitan.tools.logging import logger
-
     lins = job_config.lins
     if not lins.enable:
         return llama_parallelize.parallelize_llama(model, parallel_dims, job_config)

@@ -2,7 +2,7 @@
 
 Explicit plans are checked before the process group exists, so a wrong value stops
 the run at start-up with a message that names the key and the rule. ``plan = "auto"``
-asks the planner (``lins_dtensor.planner.choose_plan``), imported only then.
+asks the planner (``lins_dtensor.planner.choose_plan``).
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import torch.distributed as dist
+
+from lins_dtensor.integrations.torchtitan import planning
+from lins_dtensor.integrations.torchtitan.config import LinsConfigError
 from lins_dtensor.plan import PRESET_NAMES, LinsPlan, LinsPlanError
 
 _RESHARD = ("plan", "always", "never")
 _GRAD_DTYPES = ("", "float32", "bfloat16")
-
-
-class LinsConfigError(LinsPlanError):
-    """A ``[lins]`` value torchtitan cannot run with; the message names key and rule."""
 
 
 def world_size() -> int:
@@ -113,8 +113,6 @@ class Resolved:
 def _rank0s(plan: LinsPlan) -> LinsPlan:
     """Rank 0's choice on every rank: a near-tie in the planner may break differently in
     another process, and ranks sharding with different plans would deadlock."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return plan
     box = [str(plan)]
@@ -125,8 +123,6 @@ def _rank0s(plan: LinsPlan) -> LinsPlan:
 def resolve(job_config, model) -> Resolved:
     """The plan this run uses (explicit, or the planner's choice for ``model``) and the
     planner's prediction for it."""
-    from lins_dtensor.integrations.torchtitan import planning
-
     lins = job_config.lins
     world = world_size()
     rpn = ranks_per_node(lins, world)

@@ -1,18 +1,23 @@
 """The bridge to the planner, and the start-up table rank 0 prints.
 
-``plan = "auto"`` asks ``lins_dtensor.planner.choose_plan`` (imported only then) for
-the plan. For every plan, auto or explicit, the planner's cost model predicts the
+``plan = "auto"`` asks ``lins_dtensor.planner.choose_plan`` for the plan. For every plan, auto or explicit, the planner's cost model predicts the
 chosen plan's memory and step time and those of the named baselines (DDP, ZeRO-1/2/3,
 HSDP/MiCS, hpZ) on the same cluster; that is the table rank 0 prints at start-up and
-writes to TensorBoard. If the planner cannot be imported or fails, explicit plans
-still run and the table shows model-state bytes from the plan alone.
+writes to TensorBoard. If the planner fails for an explicit plan, the plan still runs
+and the table shows model-state bytes from the plan alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+from torchtitan.config import TORCH_DTYPE_MAP
+
+from lins_dtensor.integrations.torchtitan.config import LinsConfigError
 from lins_dtensor.plan import LinsPlan
+from lins_dtensor.planner import Baseline, BandwidthTable, ClusterSpec, TrainingSpec, choose_plan, evaluate, model_from_module
+from lins_dtensor.planner.search import baseline_plans
 
 MiB = float(1 << 20)
 
@@ -32,8 +37,6 @@ class Prediction:
 
 
 def _hardware_name(job_config) -> str:
-    import torch
-
     if job_config.lins.hardware:
         return job_config.lins.hardware
     if not torch.cuda.is_available():
@@ -46,18 +49,12 @@ def _hardware_name(job_config) -> str:
 
 
 def _cluster(job_config, world: int, rpn: int):
-    from lins_dtensor.planner import BandwidthTable, ClusterSpec
-
     bandwidth = BandwidthTable.load(job_config.lins.bandwidth_file) if job_config.lins.bandwidth_file else None
     return ClusterSpec.preset(_hardware_name(job_config), world, rpn, bandwidth=bandwidth)
 
 
 def _training(job_config, world: int):
     """The planner's TrainingSpec from torchtitan's [training] section."""
-    from torchtitan.config import TORCH_DTYPE_MAP
-
-    from lins_dtensor.planner import TrainingSpec
-
     t = job_config.training
     global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * world
     return TrainingSpec(
@@ -74,14 +71,6 @@ def _training(job_config, world: int):
 
 def choose(job_config, model, world: int, rpn: int) -> tuple[LinsPlan, Prediction]:
     """``plan = "auto"``: the planner's plan, or a one-line LinsConfigError."""
-    from lins_dtensor.integrations.torchtitan.plan import LinsConfigError
-
-    try:
-        from lins_dtensor.planner import choose_plan
-    except ImportError as exc:
-        raise LinsConfigError(
-            f"[lins] plan = 'auto': the planner is not available ({exc}); set [lins] plan to a plan string or preset"
-        ) from None
     try:
         plan, explanation = choose_plan(model, _cluster(job_config, world, rpn), _training(job_config, world))
     except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
@@ -93,9 +82,6 @@ def choose(job_config, model, world: int, rpn: int) -> tuple[LinsPlan, Predictio
 def predict(job_config, model, plan: LinsPlan, world: int, rpn: int) -> Prediction | None:
     """The planner's prediction for an explicit plan and the baselines; None if unavailable."""
     try:
-        from lins_dtensor.planner import Baseline, evaluate, model_from_module
-        from lins_dtensor.planner.search import baseline_plans
-
         cluster, training = _cluster(job_config, world, rpn), _training(job_config, world)
         spec = model_from_module(model)
         baselines = [
