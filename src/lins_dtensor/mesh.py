@@ -63,8 +63,7 @@ class LinsMesh:
         """How long a collective on any of the mesh's groups (Lins' and FSDP2's) waits
         for a peer before it fails: a stopped or dead rank then ends the job with an
         error that names the collective instead of hanging."""
-        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-            raise LinsPlanError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+        _check_timeout(timeout)
         for dim in MESH_DIMS:
             set_group_timeout(self.group(dim), timeout)
 
@@ -72,13 +71,10 @@ class LinsMesh:
         """The 1-D mesh FSDP2 shards parameters on."""
         return self.device_mesh[PARAM_SHARD]
 
-    def nodes_spanned(self, group: dist.ProcessGroup | None) -> int:
-        """How many nodes a process group's ranks live on (1 means intra-node)."""
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(self.world_size)
-        return len({rank // self.ranks_per_node for rank in ranks})
 
-    def dim_nodes_spanned(self, dim: str) -> int:
-        return self.nodes_spanned(self.group(dim))
+def _check_timeout(timeout: object) -> None:
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise LinsPlanError(f"timeout={timeout!r} must be a positive datetime.timedelta")
 
 
 def placements(state: str) -> tuple[Placement, ...]:
@@ -106,8 +102,8 @@ def build_lins_mesh(
     long the mesh's collectives wait for a peer (:meth:`LinsMesh.set_timeout`; default:
     the process groups' own, 30 minutes for gloo and NCCL).
     """
-    if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
-        raise LinsPlanError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+    if timeout is not None:
+        _check_timeout(timeout)  # before the mesh's collectives
     if not dist.is_initialized():
         raise LinsPlanError("build_lins_mesh needs torch.distributed to be initialised first")
     actual_world = dist.get_world_size()

@@ -36,8 +36,10 @@ def main() -> int:
     # Imported only now, after the environment above is set (torchtitan and Hugging
     # Face read it at import): registers the lins_llama3 TrainSpec and dataset, and
     # patches torchtitan for CPU.
+    # isort: off  (the shims first, then torchtitan's trainer)
     import lins_dtensor.integrations.torchtitan  # noqa: F401
     import torchtitan.train as titan_train
+    # isort: on
     from lins_dtensor.integrations.torchtitan.trainer import LinsTrainer
     from lins_dtensor.plan import LinsPlanError
 

@@ -35,10 +35,30 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from lins_dtensor.collectives import CommRecorder, CommStream, LinsAllGather, LinsReduceScatter, start_all_gather, start_all_reduce, start_reduce_scatter
-from lins_dtensor.compat import foreach_add_, foreach_copy_, fsdp_wait_all_gather_streams, map_floating_tensors
+from lins_dtensor.collectives import (
+    CommRecorder,
+    CommStream,
+    Flight,
+    LinsAllGather,
+    LinsReduceScatter,
+    start_all_gather,
+    start_all_reduce,
+    start_reduce_scatter,
+)
+from lins_dtensor.compat import (
+    foreach_add_,
+    foreach_copy_,
+    fsdp_wait_all_gather_streams,
+    map_floating_tensors,
+)
 from lins_dtensor.executor import Body, Chain, Executor, Request
-from lins_dtensor.mesh import GRAD_SHARD, OPTIM_REPLICA, OPTIM_SHARD, LinsMesh, placements
+from lins_dtensor.mesh import (
+    GRAD_SHARD,
+    OPTIM_REPLICA,
+    OPTIM_SHARD,
+    LinsMesh,
+    placements,
+)
 from lins_dtensor.plan import LinsPlan, LinsPlanError
 from lins_dtensor.schedule import (
     GRAD_SHARD_REDUCE_SCATTER,
@@ -46,6 +66,7 @@ from lins_dtensor.schedule import (
     OPTIM_REDUCE_SCATTER,
     UPDATE_GATHER_GRAD,
     UPDATE_GATHER_OPTIM,
+    CollectiveSpec,
     UnitGeometry,
     chain_buffer_bytes,
 )
@@ -298,8 +319,7 @@ class LinsUnit:
         first = not self.g_has_data
         out = self.grad_buffer if first else ctx.empty(g.grads.chunk_numel)
         self.g_has_data = True
-        yield Request(GRAD_SHARD, lambda: start_reduce_scatter(
-            ctx.recorder, ctx.stream, GRAD_SHARD_REDUCE_SCATTER, out, packed, ctx.group(GRAD_SHARD), step))
+        yield _request(ctx, GRAD_SHARD_REDUCE_SCATTER, step, start_reduce_scatter, out, packed)
         del packed
         if not first:
             self.grad_buffer.add_(out)
@@ -330,16 +350,14 @@ class LinsUnit:
         if g.optim.k > 1:
             packed = g.optim.pack(g_rows, ctx.empty(g.optim.total_numel))
             out = ctx.empty(g.optim.chunk_numel)
-            yield Request(OPTIM_SHARD, lambda: start_reduce_scatter(
-                ctx.recorder, ctx.stream, OPTIM_REDUCE_SCATTER, out, packed, ctx.group(OPTIM_SHARD), step))
+            yield _request(ctx, OPTIM_REDUCE_SCATTER, step, start_reduce_scatter, out, packed)
             del packed
         elif g.os_is_g_chunk and self.os_grad is None:
             out, out_is_g = self.grad_buffer, True
         else:
             out = g.optim.pack(g_rows, ctx.empty(g.optim.chunk_numel))
         if ctx.replicas > 1:
-            yield Request(OPTIM_REPLICA, lambda: start_all_reduce(
-                ctx.recorder, ctx.stream, OPTIM_ALL_REDUCE, out, ctx.group(OPTIM_REPLICA), step))
+            yield _request(ctx, OPTIM_ALL_REDUCE, step, start_all_reduce, out)
         if self.os_grad is None:
             self.os_grad, self.os_grad_is_g = out, out_is_g
         else:
@@ -395,8 +413,7 @@ class LinsUnit:
         p_dests = self.backend.local_shards()
         if g.optim.k > 1:
             gathered = ctx.empty(g.optim.total_numel, dtype)
-            yield Request(OPTIM_SHARD, lambda: start_all_gather(
-                ctx.recorder, ctx.stream, UPDATE_GATHER_OPTIM, gathered, src, ctx.group(OPTIM_SHARD), step))
+            yield _request(ctx, UPDATE_GATHER_OPTIM, step, start_all_gather, gathered, src)
         if g.grads.k > 1:
             if g.os_is_g_chunk:
                 chunk = src
@@ -409,8 +426,7 @@ class LinsUnit:
                 else:
                     foreach_copy_(dests, g.optim.views(src, g.optim_index))
             full = ctx.empty(g.grads.total_numel, dtype)
-            yield Request(GRAD_SHARD, lambda: start_all_gather(
-                ctx.recorder, ctx.stream, UPDATE_GATHER_GRAD, full, chunk, ctx.group(GRAD_SHARD), step))
+            yield _request(ctx, UPDATE_GATHER_GRAD, step, start_all_gather, full, chunk)
             g.grads.unpack_into(full, p_dests)
         elif g.optim.k > 1:
             g.optim.unpack_into(gathered, p_dests)
@@ -477,6 +493,11 @@ class LinsUnit:
         """Persistent bytes of this unit's P, G and masters (optimizer states apart)."""
         masters = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
         return {"params": self.backend.memory_bytes(), "grads": self.grad_buffer.numel() * self.grad_buffer.element_size(), "optim": masters}
+
+
+def _request(ctx: ShardContext, spec: CollectiveSpec, step: int, start: Callable[..., Flight], *tensors: torch.Tensor) -> Request:
+    """A chain's request for one collective of ``spec``, on the mesh dim the spec names."""
+    return Request(spec.mesh_dim, lambda: start(ctx.recorder, ctx.stream, spec, *tensors, ctx.group(spec.mesh_dim), step))
 
 
 def _run_local(body: Body) -> None:
