@@ -71,6 +71,10 @@ def misuse_messages() -> dict[str, str]:
     out["bf16_model_masters"] = str(lins_state(apply_lins(build_model().to(torch.bfloat16), mesh)).ctx.master_dtype)
     out["bf16_masters_asked"] = str(lins_state(apply_lins(build_model().to(torch.bfloat16), mesh, master_dtype=torch.bfloat16)).ctx.master_dtype)
     out["master_dtype"] = _message(lambda: apply_lins(build_model(), mesh, master_dtype=torch.int32))
+    loaded = apply_lins(build_model(), mesh)
+    out["other_model_shapes"] = _message(lambda: loaded.load_state_dict(build_model(dim=30).state_dict()))
+    partial = {k: v for k, v in build_model().state_dict().items() if not k.startswith("norm.")}
+    out["missing_key"] = _message(lambda: loaded.load_state_dict(partial))
     return out
 
 

@@ -35,6 +35,8 @@ def messages():
         ("bf16_model_masters", "torch.float32"),
         ("bf16_masters_asked", "torch.bfloat16"),
         ("master_dtype", "master_dtype=torch.int32 must be a floating-point torch.dtype or None"),
+        ("other_model_shapes", "checkpoint entry 'tok_embeddings.weight' has shape (50, 30), the model's parameter (50, 24)"),
+        ("missing_key", "the state dict has no entry 'norm.weight' (strict load)"),
         ("nonfinite_clip_True", "lins: clip_grad_norm_: the order-2 norm of the gradients is nan, not finite; nothing was clipped"),
     ],
 )

@@ -481,6 +481,10 @@ def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
                 state_dict[prefix + key] = master
 
     def load_masters(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        if strict:  # one line naming the first missing key, before anything is loaded
+            missing = next((fqn for unit in state.units for fqn in unit.fqns if prefix + fqn not in state_dict), None)
+            if missing is not None:
+                raise LinsPlanError(f"the state dict has no entry '{prefix + missing}' (strict load): a checkpoint of another model?")
         state.wait_for_updates()
         state.masters()  # materialise meta masters before loading into them
         loaded = False

@@ -482,10 +482,13 @@ class LinsUnit:
             found = True
             if value is master:  # loaded in place, e.g. by torch.distributed.checkpoint
                 continue
+            if tuple(value.shape) != tuple(master.shape):  # before any collective (full_tensor)
+                raise LinsPlanError(
+                    f"checkpoint entry '{prefix + fqn}' has shape {tuple(value.shape)}, the model's parameter "
+                    f"{tuple(master.shape)}: a checkpoint of another model?"
+                )
             if isinstance(value, DTensor):
                 value = value.full_tensor()
-            if tuple(value.shape) != tuple(master.shape):
-                raise LinsPlanError(f"checkpoint entry '{prefix + fqn}' has shape {tuple(value.shape)}, the model {tuple(master.shape)}")
             master.to_local().copy_(value.narrow(0, start, shape[0]))  # shared with local_masters
         return found
 
