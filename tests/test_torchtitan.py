@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from titan_runs import base_args, check, losses, scalars, texts, train
+from titan_runs import base_args, check, losses, scalars, stop_one_worker, texts, train
 
 # Parity tolerance. Both runs start from the same seed checkpoint, see the same
 # batches and do the same fp32 math; only the order of floating-point sums may differ
@@ -177,3 +177,18 @@ def test_save_and_resume_gives_the_uninterrupted_losses(tmp_path, assets, seed_c
     want = losses(whole)
     assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
     _assert_close({**first, **second}, want, 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_stopped_worker_ends_the_job_by_the_train_timeout(tmp_path, assets):
+    """SIGSTOP one worker in the middle of a step: with --comm.train_timeout_seconds 5 the
+    job ends (non-zero) instead of hanging on Lins' groups, which used to wait 30 min;
+    torchrun then needs its 30 s SIGTERM grace for the stopped worker."""
+    args = base_args(tmp_path / "run", assets, 40, "--lins.plan", "p=1,g=2,os=4", "--comm.train_timeout_seconds", "5",
+                     "--activation_checkpoint.mode", "none")
+    proc, output = stop_one_worker(args, after_line="step:  4", delay_s=0.3)
+    elapsed, returncode = proc
+    assert returncode != 0
+    assert elapsed < 90, f"the job ran {elapsed:.0f} s after the worker stopped"
+    assert "Timed out waiting 5000ms" in output, output[-3000:]

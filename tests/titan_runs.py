@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +47,46 @@ def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict |
     e = env()
     e.update(extra_env or {})
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def stop_one_worker(args: list[str], after_line: str, delay_s: float, nproc: int = 4, rank: int = 1) -> tuple[tuple[float, int], str]:
+    """Run the job, SIGSTOP worker ``rank`` ``delay_s`` after ``after_line`` is printed,
+    and return ((seconds until the job ended, its exit status), its output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "lins_dtensor.train", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if after_line in line:
+            break
+    worker = next(pid for pid in _children(proc.pid) if _environ(pid).get("RANK") == str(rank))
+    time.sleep(delay_s)
+    os.kill(worker, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        for pid in [worker, proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return (time.monotonic() - start, proc.returncode), "".join(seen) + rest
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if int(Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+    return out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with contextlib.suppress(OSError):
+        pairs = Path("/proc", str(pid), "environ").read_bytes().split(b"\0")
+        return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+    return {}
 
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -188,8 +188,8 @@ class Flight:
     reads and writes are held by whoever started it until it is joined (and, with
     NCCL, by c10d until its work is waited on)."""
 
-    def __init__(self, work: dist.Work, timing: CommTiming, stream: CommStream) -> None:
-        self.work, self.timing, self.stream = work, timing, stream
+    def __init__(self, work: dist.Work, spec: CollectiveSpec, timing: CommTiming, stream: CommStream) -> None:
+        self.work, self.spec, self.timing, self.stream = work, spec, timing, stream
         self.joined = False
         if not stream.on_device:
             try:  # gloo reports completion through the work's future, for most ops
@@ -213,7 +213,7 @@ class Flight:
         blocked is this collective's exposed time."""
         if self.joined:
             return
-        try:
+        with _naming_failures(self.spec):
             if self.stream.on_device:
                 with self.stream.scope():
                     self.work.wait()
@@ -223,9 +223,6 @@ class Flight:
                 self.work.wait()
                 self.timing.exposed += time.perf_counter() - start
                 self.timing.mark_finished()
-        except RuntimeError as error:  # c10d's DistBackendError (a peer died, stopped or timed out) among them
-            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise RuntimeError(f"lins: collective {self.timing.name} ({self.timing.state}) failed: {cause}") from error
         self.joined = True
 
 
@@ -235,8 +232,9 @@ def _start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, gro
         timing = recorder.record(spec, group, message, step)
         with stream.scope():
             timing.start_event = stream.event_on_side()  # None on CPU
-            work = call()
-        return Flight(work, timing, stream)
+            with _naming_failures(spec):
+                work = call()
+        return Flight(work, spec, timing, stream)
 
 
 def start_all_gather(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, step: int | None = None) -> Flight:
@@ -258,8 +256,20 @@ def all_reduce(recorder: CommRecorder, spec: CollectiveSpec, tensor: torch.Tenso
     """A blocking all-reduce on the caller's stream (the clipping norm's scalar)."""
     with record_function(f"lins::{spec.name}"):
         timing = recorder.record(spec, group, tensor)
-        dist.all_reduce(tensor, op=op, group=group)
+        with _naming_failures(spec):
+            dist.all_reduce(tensor, op=op, group=group)
         _time_blocking_call(timing, tensor.device)
+
+
+@contextlib.contextmanager
+def _naming_failures(spec: CollectiveSpec):
+    """A collective that fails (a peer died, stopped or timed out: c10d's
+    DistBackendError is a RuntimeError) fails with Lins' name for it, on one line."""
+    try:
+        yield
+    except RuntimeError as error:
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RuntimeError(f"lins: collective {spec.name} ({spec.state}) failed: {cause}") from error
 
 
 def _time_blocking_call(timing: CommTiming, device: torch.device) -> None:
