@@ -1,15 +1,17 @@
 """torchtitan integration: the trainer runs with Lins on 4 CPU ranks (gloo).
 
-Quick (unmarked): a wrong [lins] value stops the run with a one-line message, and one
-end-to-end run whose loss falls and whose TensorBoard has the lins/* scalars.
-Slow: parity with torchtitan's own FSDP from one seed checkpoint (fsdp preset and a
-Lins-only plan, with activation checkpointing, gradient accumulation and clipping),
-bf16 mixed precision, and save/resume.
+Quick (unmarked): a wrong [lins] value stops the run with a one-line message, one
+end-to-end run whose loss falls and whose TensorBoard has the lins/* scalars, and a
+killed worker ending the job. Slow: parity with torchtitan's own FSDP from one seed
+checkpoint (fsdp preset and a Lins-only plan, with activation checkpointing, gradient
+accumulation and clipping), bf16 mixed precision, save/resume, and a stopped worker
+ending the job by the train timeout.
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 
 import pytest
 
@@ -179,6 +181,17 @@ def test_save_and_resume_gives_the_uninterrupted_losses(tmp_path, assets, seed_c
     _assert_close({**first, **second}, want, 1e-6)
 
 
+@pytest.mark.timeout(300)
+def test_a_killed_worker_ends_the_job_naming_it(tmp_path, assets):
+    """A worker killed mid-step: the job exits non-zero within 30 s and says which rank
+    failed (torchrun's report)."""
+    args = base_args(tmp_path / "run", assets, 40, "--lins.plan", "p=1,g=2,os=4", "--activation_checkpoint.mode", "none")
+    (elapsed, returncode), output = stop_one_worker(args, after_line="step:  3", delay_s=0.3, sig=signal.SIGKILL)
+    assert returncode != 0
+    assert elapsed < 30, f"the job ran {elapsed:.0f} s after the worker died"
+    assert "rank      : 1" in output or "rank: 1" in output, output[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_stopped_worker_ends_the_job_by_the_train_timeout(tmp_path, assets):
@@ -187,8 +200,7 @@ def test_a_stopped_worker_ends_the_job_by_the_train_timeout(tmp_path, assets):
     torchrun then needs its 30 s SIGTERM grace for the stopped worker."""
     args = base_args(tmp_path / "run", assets, 40, "--lins.plan", "p=1,g=2,os=4", "--comm.train_timeout_seconds", "5",
                      "--activation_checkpoint.mode", "none")
-    proc, output = stop_one_worker(args, after_line="step:  4", delay_s=0.3)
-    elapsed, returncode = proc
+    (elapsed, returncode), output = stop_one_worker(args, after_line="step:  4", delay_s=0.3)
     assert returncode != 0
     assert elapsed < 90, f"the job ran {elapsed:.0f} s after the worker stopped"
     assert "Timed out waiting 5000ms" in output, output[-3000:]

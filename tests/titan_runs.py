@@ -49,9 +49,11 @@ def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict |
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
-def stop_one_worker(args: list[str], after_line: str, delay_s: float, nproc: int = 4, rank: int = 1) -> tuple[tuple[float, int], str]:
-    """Run the job, SIGSTOP worker ``rank`` ``delay_s`` after ``after_line`` is printed,
-    and return ((seconds until the job ended, its exit status), its output)."""
+def stop_one_worker(args: list[str], after_line: str, delay_s: float, nproc: int = 4, rank: int = 1,
+                    sig: int = signal.SIGSTOP) -> tuple[tuple[float, int], str]:
+    """Run the job, send ``sig`` (SIGSTOP: the worker stops responding; SIGKILL: it
+    dies) to worker ``rank`` ``delay_s`` after ``after_line`` is printed, and return
+    ((seconds until the job ended, its exit status), its output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "lins_dtensor.train", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
@@ -61,7 +63,7 @@ def stop_one_worker(args: list[str], after_line: str, delay_s: float, nproc: int
             break
     worker = next(pid for pid in _children(proc.pid) if _environ(pid).get("RANK") == str(rank))
     time.sleep(delay_s)
-    os.kill(worker, signal.SIGSTOP)
+    os.kill(worker, sig)
     start = time.monotonic()
     try:
         rest, _ = proc.communicate(timeout=300)
