@@ -37,7 +37,7 @@ from lins_dtensor.compat import fsdp_unit_params, queue_backward_callback
 from lins_dtensor.executor import Executor
 from lins_dtensor.mesh import MESH_DIMS, LinsMesh, mesh_shape
 from lins_dtensor.plan import LinsPlan, LinsPlanError
-from lins_dtensor.schedule import UnitSchedule
+from lins_dtensor.schedule import UnitSchedule, default_max_inflight_bytes
 from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams
 
 _STATE_ATTR = "_lins_state"
@@ -183,9 +183,9 @@ class LinsState:
             self.forward_order = list(self._seen.values())
 
     def updates_in_flight(self) -> bool:
-        """Whether collectives of an ended step still run (checked without blocking)."""
-        self.executor.pump()
-        return bool(self.executor.chains) or any(unit.update_pending() for unit in self.units)
+        """Whether the last step's update gathers may still run: some unit's forward has
+        not yet waited for its update (checked without blocking)."""
+        return any(unit.update_pending() for unit in self.units)
 
     def wait_for_updates(self) -> None:
         """Wait for everything in flight; afterwards P holds the last step's values."""
@@ -275,20 +275,28 @@ def default_units(model: nn.Module) -> list[nn.Module]:
                 units.append(child)
 
     visit(model)
-    return _without_shared_params(units)
+    tied = {id(m) for pair in _tied_pairs(units) for m in pair}
+    return [unit for unit in units if id(unit) not in tied]
 
 
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _without_shared_params(units: list[nn.Module]) -> list[nn.Module]:
-    owners: dict[int, int] = {}
-    for i, unit in enumerate(units):
+def _nested(a: nn.Module, b: nn.Module) -> bool:
+    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
+
+
+def _tied_pairs(units: list[nn.Module]) -> list[tuple[nn.Module, nn.Module]]:
+    """Pairs of units, neither inside the other, that hold the same parameter."""
+    owner: dict[int, nn.Module] = {}
+    pairs = []
+    for unit in units:
         for p in unit.parameters():
-            owners[id(p)] = i if owners.get(id(p), i) == i else -1
-    shared = {i for i, unit in enumerate(units) for p in unit.parameters() if owners[id(p)] == -1}
-    return [unit for i, unit in enumerate(units) if i not in shared]
+            other = owner.setdefault(id(p), unit)
+            if other is not unit and not _nested(other, unit):
+                pairs.append((other, unit))
+    return pairs
 
 
 def resolve_units(model: nn.Module, units: Iterable[nn.Module] | type | tuple[type, ...] | None) -> list[nn.Module]:
@@ -299,24 +307,20 @@ def resolve_units(model: nn.Module, units: Iterable[nn.Module] | type | tuple[ty
     if isinstance(units, type) or (isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)):
         chosen: list[nn.Module] = []
         for m in model.modules():
-            if m is not model and isinstance(m, units) and not any(m in set(c.modules()) for c in chosen):
+            if m is not model and isinstance(m, units) and not any(_nested(c, m) for c in chosen):
                 chosen.append(m)
         if not chosen:
             raise LinsPlanError(f"units={units!r}: the model has no module of that class")
         return chosen
     chosen = list(units)
     names = {id(m): n for n, m in model.named_modules()}
-    first_owner: dict[int, nn.Module] = {}
-    for unit in chosen:
-        if id(unit) not in names or unit is model:
-            raise LinsPlanError("units= must list submodules of the model (the root is always a unit)")
-        for p in unit.parameters():
-            other = first_owner.setdefault(id(p), unit)
-            if other is not unit and not any(other is m for m in unit.modules()) and not any(unit is m for m in other.modules()):
-                raise LinsPlanError(
-                    f"units=: '{names[id(other)]}' and '{names[id(unit)]}' share a parameter (tied weights); "
-                    "leave both out of units= so that the root unit holds it"
-                )
+    if any(id(unit) not in names or unit is model for unit in chosen):
+        raise LinsPlanError("units= must list submodules of the model (the root is always a unit)")
+    for first, second in _tied_pairs(chosen)[:1]:
+        raise LinsPlanError(
+            f"units=: '{names[id(first)]}' and '{names[id(second)]}' share a parameter (tied weights); "
+            "leave both out of units= so that the root unit holds it"
+        )
     return chosen
 
 
@@ -423,7 +427,7 @@ def apply_lins(
         module.register_forward_pre_hook(lambda m, args, u=unit: state.before_unit_forward(u), prepend=True)
         state.units.append(unit)
     if max_inflight_bytes is None:
-        ctx.executor.max_inflight_bytes = 2 * max((max(u.buffer_bytes.values()) for u in state.units), default=0)
+        ctx.executor.max_inflight_bytes = default_max_inflight_bytes(u.buffer_bytes for u in state.units)
     model.register_forward_pre_hook(lambda m, args: state.before_root_forward(), prepend=True)
     model.register_forward_hook(lambda m, args, output: state.after_root_forward())
     setattr(model, _STATE_ATTR, state)

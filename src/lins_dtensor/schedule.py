@@ -347,6 +347,13 @@ def chain_buffer_bytes(geometry: UnitGeometry, *, param_bytes: int, reduce_bytes
     return {"grads": grads, "optim": optim, "update": update}
 
 
+def default_max_inflight_bytes(chains: Iterable[dict[str, int]]) -> int:
+    """The executor's default bound on transient bytes in flight: twice the largest
+    chain's (:func:`chain_buffer_bytes` per unit), so that one chain can run while the
+    next one starts."""
+    return 2 * max((max(c.values()) for c in chains), default=0)
+
+
 def state_memory_bytes(
     units: Iterable[UnitSchedule], *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4, optim_states: int = 2
 ) -> dict[str, int]:

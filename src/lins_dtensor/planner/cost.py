@@ -138,9 +138,10 @@ def evaluate(
 
     records = collectives(units, m, training.clip_grad_norm)
     record_phase = [PHASE_OF[r.name] for r in records]
-    if fsdp2_reductions:
-        record_phase = [Phase.BACKWARD.value if p == Phase.STEP.value and r.op.value != "all_gather" else p for r, p in zip(records, record_phase)]
-    issuer = ["fsdp2" if fsdp2_reductions and p != PHASE_OF[r.name] else ISSUER_OF[r.name] for r, p in zip(records, record_phase)]
+    issuer = [ISSUER_OF[r.name] for r in records]
+    for i, r in enumerate(records):
+        if fsdp2_reductions and record_phase[i] == Phase.STEP.value and r.op.value != "all_gather":
+            record_phase[i], issuer[i] = Phase.BACKWARD.value, "fsdp2"
     records += list(extra_backward)
     record_phase += [Phase.BACKWARD.value] * len(extra_backward)
     issuer += ["fsdp2"] * len(extra_backward)

@@ -18,7 +18,7 @@ from lins_dtensor.mesh import MESH_DIMS
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner.models import ModelSpec, shapes_numel
 from lins_dtensor.planner.training import TrainingSpec
-from lins_dtensor.schedule import UnitGeometry, UnitSchedule, chain_buffer_bytes, state_memory_bytes
+from lins_dtensor.schedule import UnitGeometry, UnitSchedule, chain_buffer_bytes, default_max_inflight_bytes, state_memory_bytes
 
 GiB = 1 << 30
 _RANK0 = {dim: 0 for dim in MESH_DIMS}
@@ -107,7 +107,7 @@ def memory_breakdown(model: ModelSpec, plan: LinsPlan, training: TrainingSpec, u
     # its reduction (in the last backward) to the end of the step unless it is the G
     # buffer itself.
     chains = [chain_buffer_bytes(u.geometry, param_bytes=pb, reduce_bytes=rb, master_bytes=training.master_bytes) for u in units]
-    in_flight = 2 * max((max(c.values()) for c in chains), default=0)
+    in_flight = default_max_inflight_bytes(chains)
     os_grads = sum(u.geometry.optim.chunk_numel * rb for u in units if not u.geometry.os_is_g_chunk)
     buffers += in_flight + (os_grads if training.reduce_in_backward else 0)
     step = os_grads + in_flight

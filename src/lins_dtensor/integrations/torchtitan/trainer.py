@@ -64,12 +64,13 @@ class LinsTrainer(Trainer):
         if hasattr(job_config, "lins"):
             check_config(job_config)
         super().__init__(job_config)
-
-    def train_step(self, data_iterator):
         if isinstance(self.optimizers, LinsOptimizersContainer):
             for model in self.model_parts:
                 set_gradient_accumulation_steps(model, self.gradient_accumulation_steps)
-                set_requires_gradient_sync(model, None if self.job_config.lins.reduce_in_backward else False)
+                set_requires_gradient_sync(model, None if job_config.lins.reduce_in_backward else False)
+
+    def train_step(self, data_iterator):
+        if isinstance(self.optimizers, LinsOptimizersContainer):
             with _lins_clipping(self.optimizers):
                 result = super().train_step(data_iterator)
             if self.step == 1:  # as torchtitan moves its own groups to the training timeout
