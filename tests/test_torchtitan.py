@@ -4,18 +4,20 @@ Quick (unmarked): a wrong [lins] value stops the run with a one-line message, on
 end-to-end run whose loss falls and whose TensorBoard has the lins/* scalars, and a
 killed worker ending the job. Slow: parity with torchtitan's own FSDP from one seed
 checkpoint (fsdp preset and a Lins-only plan, with activation checkpointing, gradient
-accumulation and clipping), bf16 mixed precision, save/resume, and a stopped worker
-ending the job by the train timeout.
+accumulation and clipping), bf16 mixed precision, a worker killed mid-step and one
+killed while a checkpoint is being written (each job resumed to the uninterrupted
+losses), and a stopped worker ending the job by the train timeout.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 
 import pytest
 
-from titan_runs import base_args, check, losses, scalars, stop_one_worker, texts, train
+from titan_runs import base_args, check, held_line, losses, printed_losses, scalars, stop_one_worker, texts, train
 
 # Parity tolerance. Both runs start from the same seed checkpoint, see the same
 # batches and do the same fp32 math; only the order of floating-point sums may differ
@@ -134,6 +136,22 @@ def fsdp_losses(tmp_path_factory, assets, seed_checkpoint):
     return losses(dump), scalars(dump)["grad_norm"]
 
 
+@pytest.fixture(scope="module")
+def lins_runs(tmp_path_factory, assets, seed_checkpoint):
+    """``run(plan)``: the dump folder of Lins' 6-step parity job from the seed
+    checkpoint, run once per plan for the parity and the resume tests."""
+    dumps = {}
+
+    def run(plan: str):
+        if plan not in dumps:
+            dump = tmp_path_factory.mktemp("lins")
+            check(train(_parity_args(dump, assets, seed_checkpoint, 6, "--lins.plan", plan)))
+            dumps[plan] = dump
+        return dumps[plan]
+
+    return run
+
+
 def _assert_close(got: dict, want: dict, rtol: float):
     assert sorted(got) == sorted(want)
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
@@ -143,9 +161,8 @@ def _assert_close(got: dict, want: dict, rtol: float):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("plan", ["fsdp", "p=1,g=2,os=4"])
-def test_matches_torchtitan_fsdp_from_seed_checkpoint(tmp_path, assets, seed_checkpoint, fsdp_losses, plan):
-    dump = tmp_path / "lins"
-    check(train(_parity_args(dump, assets, seed_checkpoint, 6, "--lins.plan", plan)))
+def test_matches_torchtitan_fsdp_from_seed_checkpoint(lins_runs, fsdp_losses, plan):
+    dump = lins_runs(plan)
     want_loss, want_norm = fsdp_losses
     _assert_close(losses(dump), want_loss, LOSS_RTOL)
     _assert_close(scalars(dump)["grad_norm"], want_norm, LOSS_RTOL)
@@ -162,23 +179,72 @@ def test_bf16_mixed_precision_matches_torchtitan_fsdp(tmp_path, assets, seed_che
     _assert_close(losses(lins), losses(fsdp), BF16_RTOL)
 
 
+# torchrun's failure report lists every failed rank; rank 1 there with SIGKILL's status
+# (the first failure it reports may be a peer's "Connection closed by peer").
+_KILLED_RANK_1 = re.compile(r"rank +: 1 \(local_rank: 1\)\n +exitcode +: -9 ")
+RESUME_PLAN = "p=1,g=2,os=4"  # the config saves full checkpoints (model, optimizer, LR, data loader)
+
+
+def _resume(dump, args, step: int) -> dict[int, float]:
+    """Rerun the killed job's command: it must load checkpoint ``step-<step>`` and
+    train on to step 6; returns the losses it logged."""
+    shutil.rmtree(dump / "tb", ignore_errors=True)  # the killed run's (unflushed) events
+    proc = check(train(args))
+    log = proc.stdout + proc.stderr
+    assert f"Loading the checkpoint from {dump / 'checkpoint' / f'step-{step}'}." in log, log[-3000:]
+    assert f"Training starts at step {step + 1}" in log, log[-3000:]
+    return losses(dump)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_save_and_resume_gives_the_uninterrupted_losses(tmp_path, assets, seed_checkpoint):
-    plan = ("--lins.plan", "p=1,g=2,os=4")  # the config saves full checkpoints
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    check(train(_parity_args(whole, assets, seed_checkpoint, 6, *plan)))
-    # First half: stop after step 3 (the LR schedule is fixed by total_steps = 6).
-    check(train(_parity_args(split, assets, seed_checkpoint, 3, *plan, interval=3)))
-    assert (split / "checkpoint" / "step-3").is_dir()
-    first = losses(split)
-    shutil.rmtree(split / "tb")
-    # Second half resumes from step-3 (model, optimizer, LR scheduler, data loader).
-    check(train(_parity_args(split, assets, seed_checkpoint, 6, *plan, interval=3)))
-    second = losses(split)
-    want = losses(whole)
-    assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
-    _assert_close({**first, **second}, want, 1e-6)
+def test_a_worker_killed_mid_step_resumes_to_the_uninterrupted_losses(tmp_path, assets, seed_checkpoint, lins_runs):
+    """Checkpoint every 3 steps; SIGKILL rank 1 in the middle of step 5. The job ends
+    non-zero within 30 s naming the rank, with step-3 complete. Rerun, it resumes
+    from step-3 and steps 4-6 give the uninterrupted run's losses (the LR schedule is
+    fixed by total_steps = 6)."""
+    want = losses(lins_runs(RESUME_PLAN))
+    dump = tmp_path / "run"
+    args = _parity_args(dump, assets, seed_checkpoint, 6, "--lins.plan", RESUME_PLAN, interval=3)
+    (elapsed, returncode), output = stop_one_worker(args, after_line="step:  4", delay_s=0.3, sig=signal.SIGKILL)
+    assert returncode != 0
+    assert elapsed < 30, f"the job ran {elapsed:.0f} s after the worker died"
+    assert _KILLED_RANK_1.search(output), output[-3000:]
+    assert (dump / "checkpoint" / "step-3" / ".metadata").is_file()
+    # Killed inside step 5 (not logged), on the uninterrupted run's path until then.
+    before = printed_losses(output)
+    assert sorted(before) == [1, 2, 3, 4], output[-3000:]
+    assert all(abs(before[s] - want[s]) <= 1e-5 for s in before), (before, want)
+
+    after = _resume(dump, args, 3)
+    assert sorted(after) == [4, 5, 6]
+    _assert_close(after, {s: want[s] for s in after}, 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_kill_during_checkpoint_save_resumes_from_the_previous_checkpoint(tmp_path, assets, seed_checkpoint, lins_runs):
+    """Checkpoint every 2 steps; SIGKILL rank 1 while step-4 is being written: after
+    its data files, before rank 0 writes step-4/.metadata (DCP's last file). The job
+    ends non-zero and step-4 is left partial. Rerun, it skips step-4 (torchtitan loads
+    only folders with .metadata), loads step-2, trains on, writes a complete step-4
+    over the partial one, and steps 3-6 give the uninterrupted run's losses."""
+    want = losses(lins_runs(RESUME_PLAN))
+    dump = tmp_path / "run"
+    args = _parity_args(dump, assets, seed_checkpoint, 6, "--lins.plan", RESUME_PLAN, interval=2)
+    (_, returncode), output = stop_one_worker(args, after_line=held_line("step-4", 1), delay_s=0,
+                                              sig=signal.SIGKILL, hold_write_of="step-4")
+    assert returncode != 0
+    assert _KILLED_RANK_1.search(output), output[-3000:]
+    checkpoints = dump / "checkpoint"
+    assert (checkpoints / "step-2" / ".metadata").is_file()
+    assert list((checkpoints / "step-4").glob("*.distcp")), output[-3000:]
+    assert not (checkpoints / "step-4" / ".metadata").exists()
+
+    after = _resume(dump, args, 2)
+    assert sorted(after) == [3, 4, 5, 6]
+    _assert_close(after, {s: want[s] for s in after}, 1e-6)
+    assert (checkpoints / "step-4" / ".metadata").is_file()
 
 
 @pytest.mark.timeout(300)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,12 +51,22 @@ def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict |
 
 
 def stop_one_worker(args: list[str], after_line: str, delay_s: float, nproc: int = 4, rank: int = 1,
-                    sig: int = signal.SIGSTOP) -> tuple[tuple[float, int], str]:
+                    sig: int = signal.SIGSTOP, hold_write_of: str | None = None) -> tuple[tuple[float, int], str]:
     """Run the job, send ``sig`` (SIGSTOP: the worker stops responding; SIGKILL: it
     dies) to worker ``rank`` ``delay_s`` after ``after_line`` is printed, and return
-    ((seconds until the job ended, its exit status), its output)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "lins_dtensor.train", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ((seconds until the job ended, its exit status), its output).
+
+    ``hold_write_of`` (a checkpoint folder name, ``"step-4"``): launch the trainer
+    through this file (see :func:`_hold_checkpoint_write`), so that worker ``rank``,
+    once it has written its files of that checkpoint, prints :func:`held_line` and
+    waits there, before rank 0 can finish the checkpoint."""
+    entry = ["-m", "lins_dtensor.train"]
+    run_env = env()
+    if hold_write_of is not None:
+        entry = [str(Path(__file__).resolve())]
+        run_env[HOLD_ENV] = f"{hold_write_of}:{rank}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -130,3 +141,53 @@ def texts(dump: Path) -> dict[str, str]:
 
 def losses(dump: Path) -> dict[int, float]:
     return scalars(dump)["loss_metrics/global_avg_loss"]
+
+
+def printed_losses(output: str) -> dict[int, float]:
+    """{step: loss} from the trainer's log lines (5 decimals), for a run whose
+    TensorBoard was never flushed (a killed job)."""
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"step:\s*(\d+)\s.*?loss:\s*(-?[\d.]+)", output)}
+
+
+# ----- a trainer whose checkpoint write can be caught in the middle ------------------
+
+HOLD_ENV = "TITAN_RUNS_HOLD_WRITE"
+HOLD_SECONDS = 300
+
+
+def held_line(folder: str, rank: int) -> str:
+    return f"titan_runs: rank {rank} wrote its files of {folder}, holding"
+
+
+def _hold_checkpoint_write(spec: str) -> None:
+    """``spec`` = ``"step-4:1"``: on rank 1, each DCP write into a folder named step-4
+    writes its files, prints :func:`held_line` and sleeps before returning to DCP. The
+    coordinator (rank 0) writes the folder's ``.metadata`` only after every rank's
+    write has returned, so a worker killed while it holds leaves a checkpoint folder
+    with data files and no ``.metadata``: a save cut short. Only this test entry point
+    patches DCP; the library and torchtitan run unchanged."""
+    folder, rank = spec.rsplit(":", 1)
+    if os.environ.get("RANK") != rank:
+        return
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def write_then_hold(self, plan, planner):
+        written = write_data(self, plan, planner)
+        if Path(self.path).name == folder:
+            print(held_line(folder, int(rank)), flush=True)
+            time.sleep(HOLD_SECONDS)
+        return written
+
+    FileSystemWriter.write_data = write_then_hold
+
+
+if __name__ == "__main__":
+    # torchrun ... tests/titan_runs.py <trainer args>: lins_dtensor.train with the hold
+    # above. Python put tests/ first on sys.path; the trainer should not see it.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    _hold_checkpoint_write(os.environ[HOLD_ENV])
+    from lins_dtensor.train import main
+
+    sys.exit(main())
