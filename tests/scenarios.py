@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lins_dtensor import (
     LinsPlan,
@@ -184,3 +185,38 @@ def train_fsdp(configs: list[dict]) -> list[dict]:
             "records": Counter(_record_key(r) for r in recorder.last_step),
         })
     return results
+
+
+def masters_from_initialisation(plans: list[str]) -> list[dict]:
+    """bf16 compute, fp32 model: masters must hold the model's initial fp32 values, not
+    their bf16 rounding. Built materialised, and built on the meta device then
+    initialised in place after to_empty (torchtitan's init_weights)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    want = build_model().state_dict()
+    out = []
+    for plan_text in plans:
+        for init in ("materialised", "meta"):
+            plan = LinsPlan.parse(plan_text, world)
+            with torch.device("meta") if init == "meta" else contextlib.nullcontext():
+                model = build_model()
+            mesh = build_lins_mesh(plan, ranks_per_node=2, device_type="cpu")
+            apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            if init == "meta":
+                model.to_empty(device="cpu")
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        value = want[name]
+                        if isinstance(p, DTensor):
+                            value = distribute_tensor(value, p.device_mesh, p.placements).to_local()
+                            p = p.to_local()
+                        p.copy_(value)
+            masters = lins_state(model).masters()
+            mine = {
+                "masters_exact": all(torch.equal(m.full_tensor(), want[n]) for n, m in masters.items()),
+                "params_bf16": all(_full(p).dtype == torch.bfloat16 and torch.equal(_full(p), want[n].to(torch.bfloat16))
+                                   for n, p in model.named_parameters() if p.requires_grad),
+            }
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, mine)
+            out.append({"plan": plan_text, "init": init, "per_rank": per_rank, "rank": rank})
+    return out

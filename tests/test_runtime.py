@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distributed import run
 from lins_dtensor import LinsPlan, valid_plans
+from scenarios import masters_from_initialisation
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -131,6 +133,17 @@ def test_replaced_parameters_are_followed(reinit_runs, references):
         assert err < 1e-5, f"{cfg['plan']} init={cfg['init']}: relative error {err:.2e}"
         for name, value in run["params"].items():
             assert torch.equal(value, run["masters"][name]), f"{cfg}: {name} P != OS master"
+
+
+def test_masters_hold_the_full_precision_initial_values():
+    """bf16 parameters of an fp32 model: the masters start from the fp32 values the model
+    was built with or initialised to after meta-device sharding (torchtitan's way), not
+    from their bf16 rounding; P holds that rounding. Replicated and FSDP2-sharded P."""
+    results = run(masters_from_initialisation, 4, ["p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"])
+    assert len(results) == 6
+    for result in results:
+        for rank, mine in enumerate(result["per_rank"]):
+            assert mine == {"masters_exact": True, "params_bf16": True}, (result["plan"], result["init"], rank, mine)
 
 
 def test_reduce_in_backward_matches_reference_and_bytes(overlap_runs, references):

@@ -42,6 +42,17 @@ def fsdp_unit_params(module: nn.Module) -> list[nn.Parameter]:
     return [p.sharded_param for p in param_group.fsdp_params] if param_group else []
 
 
+def cast_fsdp_params_(module: nn.Module, params: Sequence[nn.Parameter], dtype: torch.dtype) -> None:
+    """Store ``params`` (FSDP2's sharded parameters of ``module``) in ``dtype``. They stay
+    the same objects, hooks included; FSDP2 re-pads their local shards in its ``_apply``
+    and reads their dtype at its lazy init, so call this before the first forward.
+
+    Waits for: a public FSDP2 setter of the sharded parameters' dtype (``module.to(dtype)``
+    would cast the buffers and every other unit's parameters too)."""
+    ids = {id(p) for p in params}
+    module._apply(lambda t: t.to(dtype) if id(t) in ids else t)
+
+
 def fsdp_wait_all_gather_streams(module: nn.Module, event: torch.Event) -> None:
     """Make the streams FSDP2 copies and all-gathers ``module``'s parameters on wait for
     ``event`` (Lins wrote the parameters' local shards on its own stream).

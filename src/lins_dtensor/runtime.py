@@ -87,9 +87,7 @@ class LinsState:
         gets meta masters at apply time; they are made from the parameters here, once
         those have been materialised and initialised."""
         for unit in self.units:
-            unit.backend.refresh()
-            if unit.masters and unit.masters[0].is_meta and not unit.params[0].is_meta:
-                unit.init_masters(None)
+            unit.materialize()
         return {fqn: m for unit in self.units for fqn, m in zip(unit.fqns, unit.masters)}
 
     def schedule(self) -> list[UnitSchedule]:
@@ -163,8 +161,7 @@ class LinsState:
     def before_root_forward(self) -> None:
         self._seen = {}
         for unit in self.units:
-            if unit.backend.refresh() and unit.masters[0].is_meta:
-                unit.init_masters(None)
+            unit.materialize()
         # A unit whose forward did not run last time (its parameters are read by other
         # modules) is waited for here, before anything can read it.
         if self.forward_order:
@@ -393,15 +390,13 @@ def apply_lins(
     reduce_dtype = mp_policy.reduce_dtype or torch.float32
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
 
-    # Keep the unsharded full-precision values (when materialised) to seed the masters
-    # before the parameters are cast to the compute dtype.
-    full_values = None
-    if param_dtype != master_dtype and not any(p.is_meta for p in params.values()):
-        full_values = {fqn: p.detach().clone() for fqn, p in params.items() if p.requires_grad}
+    # Trainable parameters keep the model's dtype until their masters are made from them
+    # (LinsUnit.make_masters), frozen ones take param_dtype now.
     frozen = {p for p in params.values() if not p.requires_grad}
     with torch.no_grad():
         for p in params.values():
-            p.data = p.data.to(param_dtype)
+            if p in frozen:
+                p.data = p.data.to(param_dtype)
             if plan.params == 1 and not p.is_meta and p.device != device:
                 p.data = p.data.to(device)  # FSDP2 would move them; with no FSDP2, Lins does
 
@@ -422,7 +417,7 @@ def apply_lins(
         # fully_shard swaps in new Parameter objects: look the names up afterwards.
         fqn_of = {id(p): _clean_fqn(n) for n, p in model.named_parameters()}
         unit = LinsUnit(ctx, backend, _clean_fqn(names[id(module)]) or "<root>", [fqn_of[id(p)] for p in backend.params], module is model)
-        unit.init_masters(full_values)
+        unit.make_masters()
         backend.attach(ctx, lambda rows, keep, u=unit: state.on_gradient(u, rows, keep), unit.geometry)
         module.register_forward_pre_hook(lambda m, args, u=unit: state.before_unit_forward(u), prepend=True)
         state.units.append(unit)

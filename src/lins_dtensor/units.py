@@ -46,6 +46,7 @@ from lins_dtensor.collectives import (
     start_reduce_scatter,
 )
 from lins_dtensor.compat import (
+    cast_fsdp_params_,
     foreach_add_,
     foreach_copy_,
     fsdp_wait_all_gather_streams,
@@ -144,6 +145,9 @@ class ShardedParams:
         """FSDP2 keeps its sharded parameters itself (across to_empty too)."""
         return False
 
+    def cast_(self, dtype: torch.dtype) -> None:
+        cast_fsdp_params_(self.module, self.params, dtype)
+
     def before_forward(self, updated: object) -> None:
         """FSDP2's all-gather streams must see the update Lins wrote (accelerators)."""
         if updated is not None:
@@ -199,6 +203,10 @@ class ReplicatedParams:
         if replaced and self._sink is not None:
             self._hook(replaced)
         return bool(replaced)
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        for param in self.params:
+            param.data = param.data.to(dtype)
 
     def _arrive(self, index: int, param: nn.Parameter) -> None:
         # autograd's gradient, taken as it is (no copy); the parameter keeps none.
@@ -447,28 +455,39 @@ class LinsUnit:
 
     # ----- masters ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def init_masters(self, full_values: dict[str, torch.Tensor] | None) -> None:
-        """fp32 masters on the OS layout: from the unsharded values if given, else from P."""
+    def make_masters(self) -> None:
+        """Masters on the OS layout from P's values, then P stored in ``param_dtype``.
+
+        P keeps the model's own dtype until here, so the masters hold exactly what the
+        model was built or initialised with (not its bf16 rounding). A model still on the
+        meta device gets meta masters; :meth:`materialize` makes them once it is not."""
         ctx, g = self.ctx, self.geometry
         meta = any(p.is_meta for p in self.params)
         flat = torch.zeros(g.optim.chunk_numel, dtype=ctx.master_dtype, device="meta" if meta else ctx.device)
         views = g.optim.views(flat, g.optim_index)
         masters, local_masters = [], []
         shards = self.backend.local_shards()
-        for fqn, param, shard, view, start, shape, p_start in zip(
-            self.fqns, self.params, shards, views, g.row_starts("optim"), g.local_shapes("optim"), g.row_starts("params")
+        for param, shard, view, start, shape, p_start in zip(
+            self.params, shards, views, g.row_starts("optim"), g.local_shapes("optim"), g.row_starts("params")
         ):
-            if full_values is not None and fqn in full_values:
-                source = full_values[fqn]
-            else:
-                source, start = shard, start - p_start
+            # P's group nests in the OS group: this rank's OS rows lie inside its P rows.
             if not meta:
-                view.copy_(source.detach().reshape(-1, *param.shape[1:]).narrow(0, start, shape[0]).reshape(view.shape))
+                view.copy_(shard.detach().reshape(-1, *param.shape[1:]).narrow(0, start - p_start, shape[0]).reshape(view.shape))
             local = view.view(shape)
             dtensor = DTensor.from_local(local, ctx.mesh.device_mesh, placements("optim"), run_check=False, shape=param.shape, stride=param.stride())
             masters.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
             local_masters.append(nn.Parameter(local, requires_grad=param.requires_grad))
         self.master_flat, self.masters, self.local_masters = flat, masters, local_masters
+        if not meta:
+            self.backend.cast_(ctx.param_dtype)
+
+    def materialize(self) -> None:
+        """Make the masters of a model that was sharded on the meta device, once its
+        parameters have been materialised and initialised (torchtitan's to_empty and
+        init_weights); nothing otherwise."""
+        self.backend.refresh()
+        if self.masters[0].is_meta and not any(p.is_meta for p in self.params):
+            self.make_masters()
 
     @torch.no_grad()
     def load_masters(self, state_dict: dict, prefix: str) -> bool:
