@@ -57,15 +57,17 @@ def _unflatten(flat: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]
 
 class LinsOptimizersContainer(OptimizersContainer):
     def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs: dict[str, Any], max_norm: float) -> None:
-        self.model_parts = model_parts
+        # torchtitan's container builds one optimizer per model part, in order, from the
+        # part's trainable parameters; under Lins each part's optimizer steps its fp32
+        # masters, so the builder it is given ignores the parameters (P) it is handed.
+        parts = iter(model_parts)
+
+        def build(params: list[nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
+            return lins_optimizer(next(parts), optimizer_cls, **kwargs)
+
+        super().__init__(model_parts, build, optimizer_kwargs)
         self.max_norm = max_norm
         self._clipped = False
-        self.optimizers = []
-        for model in model_parts:
-            self.optimizers.append(lins_optimizer(model, optimizer_cls, **optimizer_kwargs))
-        masters = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
-        self._validate_length(len(model_parts))
-        self._post_init(masters, optimizer_kwargs)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
