@@ -35,6 +35,9 @@ def alpha_beta_seconds(hw: HardwareSpec, ranks_per_node: int, op: str, group_siz
 
     A group with r ranks on each of its nodes shares the node's NICs with the other
     ranks_per_node / r groups of the same dim, so it gets r / ranks_per_node of them.
+    An all-reduce across nodes takes NCCL's tree instead when its latency, which grows
+    with log2(nodes) rather than with the ranks, is lower (at large messages both reach
+    the same bus bandwidth).
     """
     if group_size <= 1:
         return 0.0
@@ -44,7 +47,10 @@ def alpha_beta_seconds(hw: HardwareSpec, ranks_per_node: int, op: str, group_siz
         return steps * hw.alpha_intra + wire / hw.intra_bw
     r = group_size // nodes
     inter_share = hw.inter_bw * r / ranks_per_node
-    return steps * hw.alpha_inter + max(wire / hw.intra_bw, wire / inter_share)
+    latency = steps * hw.alpha_inter
+    if op == Op.ALL_REDUCE.value:
+        latency = min(latency, hw.tree_alpha + hw.tree_alpha_per_doubling * math.log2(nodes))
+    return latency + max(wire / hw.intra_bw, wire / inter_share)
 
 
 def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

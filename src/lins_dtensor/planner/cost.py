@@ -150,13 +150,13 @@ def evaluate(
     for t, phase in zip(record_s, record_phase):
         comm[phase] += t
 
-    # Compute: forward is a third of the model FLOPs, backward two thirds, plus one
-    # more forward when activations are recomputed.
+    # Compute: forward is a third of the model FLOPs, backward two thirds, plus the
+    # share of the forward that activation checkpointing recomputes.
     tokens = training.microbatch_tokens * m
     flops = model_flops_per_token(model, training.seq_len) * tokens
     rate = hw.peak_flops * hw.efficiency
     forward = flops / 3 / rate
-    backward = 2 * flops / 3 / rate + (forward if training.activation_checkpointing else 0.0)
+    backward = 2 * flops / 3 / rate + training.recomputed_forward * forward
     # Adam reads and writes master, m, v and reads the gradient: memory-bound.
     os_numel = memory.optim / (training.master_bytes * (1 + training.optim_states))
     optimizer = os_numel * (2 * training.master_bytes * (1 + training.optim_states) + training.reduce_bytes) / hw.hbm_bw

@@ -1,14 +1,33 @@
 """Devices and clusters: the numbers the cost model needs when no profile is given.
 
-Bandwidths are *effective* (what a large collective achieves), not link ratings:
-``intra_bw`` per rank inside a node, ``inter_bw`` per node across the network (all the
-node's NICs together, shared by every group that leaves the node). ``alpha_*`` are the
-per-step latencies of a ring collective.
+Bandwidths are *effective* (the bus bandwidth a large ring collective measures in
+nccl-tests), not link ratings: ``intra_bw`` per rank inside a node, ``inter_bw`` per node
+across the network (all the node's NICs together, shared by every group that leaves
+the node). ``alpha_*`` are the per-step latencies of a ring collective; an all-reduce
+across nodes may instead run NCCL's tree, whose latency grows with log2(nodes)
+(``tree_alpha*``). ``efficiency`` is fitted to published single-node runs
+(:mod:`lins_dtensor.planner.validation`); the test suite checks these values against
+the fit. Sources of the network numbers, each a published measurement:
+
+* A100: NVLink 3 ring all-reduce bus bandwidth 232 GB/s on 8 GPUs, 192 GB/s across DGX
+  A100 nodes with 8 x 200 Gb/s (NVIDIA GTC24 S62129); the A800 caps NVLink at 400 GB/s
+  both ways (200 per direction), so its ring gets ~78 % of that as the A100 does of
+  300: 156 GB/s; 4 x HDR per node (the Lins paper's cluster) measures 91 GB/s
+  (nccl-tests issue 100, two HGX A100 nodes with four ConnectX-6 at 200 Gb/s).
+* H100 / H200: all-gather and reduce-scatter ring bus bandwidth 361-370 GB/s on 8 GPUs
+  (nccl-tests issue 212; an 8 x H200 node, stas00/ml-engineering network/README.md);
+  NDR 400 Gb/s NICs give 46-48 GB/s each (nccl-tests issue 290): 8 x 46 per node.
+* Latency: 8 x A100 all-reduce of 32 KiB takes 44 us, 14 ring steps (stas00's
+  nccl-tests sweep): 3 us a step. All-reduce across 4 to 512 nodes, read off NCCL's
+  published scaling plot (arXiv 2411.13055, reproduced in stas00/ml-engineering): the
+  time beyond bandwidth is ~0.2 ms at 4 nodes and ~0.8 ms at 512, at 16 and 64 MiB
+  alike: 54 us + 83 us per doubling of nodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from lins_dtensor.planner.models import PlannerError
 
@@ -25,9 +44,11 @@ class HardwareSpec:
     intra_bw: float  # bytes/s per rank inside a node
     inter_bw: float  # bytes/s per node between nodes
     hbm_bw: float  # bytes/s per rank, for the (memory-bound) optimizer step
-    alpha_intra: float = 5e-6
+    alpha_intra: float = 3e-6
     alpha_inter: float = 15e-6
-    efficiency: float = 0.65  # fraction of peak FLOPs a well-tuned step reaches
+    tree_alpha: float = 54e-6  # all-reduce across nodes by tree: this ...
+    tree_alpha_per_doubling: float = 83e-6  # ... plus this per doubling of the nodes
+    efficiency: float = 0.6  # fraction of peak FLOPs a well-tuned step reaches (fitted)
     reserved_bytes: float = 2 * GiB  # context, allocator fragmentation, workspaces
     memory_shared_by_world: bool = False  # cpu-emulated: one host's memory for all ranks
     copy_bw: float | None = None  # bytes/s per rank read + written by local copies (None: hbm_bw)
@@ -45,18 +66,21 @@ class HardwareSpec:
         return self.memory_bytes / world_size if self.memory_shared_by_world else self.memory_bytes
 
 
-_A800 = HardwareSpec("a800", 8, 80 * GiB, 312e12, 200 * GB, 100 * GB, 1.9e12)
+_A100 = HardwareSpec("a100", 8, 80 * GiB, 312e12, 232 * GB, 192 * GB, 2.0e12, efficiency=0.615)
+_H100 = HardwareSpec("h100", 8, 80 * GiB, 989e12, 365 * GB, 8 * 46 * GB, 3.35e12, efficiency=0.402)
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    "a800": _A800,
-    "a100": dataclasses.replace(_A800, name="a100", hbm_bw=2.0e12),
-    # NVLink 4 (~450 GB/s per direction, ~360 effective); one 400 Gb/s NIC per GPU.
-    "h100": HardwareSpec("h100", 8, 80 * GiB, 989e12, 360 * GB, 8 * 50 * GB, 3.35e12, alpha_intra=4e-6, alpha_inter=12e-6),
-    "h200": HardwareSpec("h200", 8, 141 * GiB, 989e12, 360 * GB, 8 * 50 * GB, 4.8e12, alpha_intra=4e-6, alpha_inter=12e-6),
+    "a800": dataclasses.replace(_A100, name="a800", intra_bw=156 * GB, inter_bw=91 * GB, hbm_bw=1.9e12),
+    "a100": _A100,  # a DGX A100: 8 x 200 Gb/s per node
+    # The efficiency is fitted to torchtitan's H100s (96 GB HBM2e at 500 W, below an
+    # 80 GB SXM's clock); a 700 W SXM H100 reaches more.
+    "h100": _H100,
+    "h200": dataclasses.replace(_H100, name="h200", memory_bytes=141 * GiB, hbm_bw=4.8e12),
     # The benchmark's emulated cluster: gloo over loopback inside a "node", a tbf
-    # rate-limited veth (default 400 Mbit/s) between nodes, all on one 24 GiB host.
+    # rate-limited veth (default 400 Mbit/s) between nodes, all on one 24 GiB host;
+    # gloo has no tree all-reduce.
     "cpu-emulated": HardwareSpec(
         "cpu-emulated", 2, 24 * GiB, 30e9, 0.35 * GB, 400e6 / 8, 10e9,
-        alpha_intra=50e-6, alpha_inter=200e-6, efficiency=0.5, reserved_bytes=0.3 * GiB, memory_shared_by_world=True,
+        alpha_intra=50e-6, alpha_inter=200e-6, tree_alpha=math.inf, efficiency=0.5, reserved_bytes=0.3 * GiB, memory_shared_by_world=True,
     ),
 }
 

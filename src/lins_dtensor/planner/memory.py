@@ -41,17 +41,19 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec) -> int:
 
     Per block and token, saved for backward: block input, both norm outputs, the
     residual, q, k, v, the attention output, w1 and w3 outputs, their SwiGLU product
-    (2 bytes each in bf16), and FlashAttention's fp32 log-sum-exp per head. With
-    checkpointing only each block's input stays, plus one block recomputed at a time.
+    (2 bytes each in bf16), and FlashAttention's fp32 log-sum-exp per head. With full
+    checkpointing only each block's input stays, plus one block recomputed at a time;
+    selective checkpointing keeps about half of each block's saved tensors besides.
     """
     t = training.microbatch_tokens
     a = training.activation_bytes
     d, kv, f = model.dim, model.kv_heads * model.head_dim, model.ffn_dim
     block = t * (a * (6 * d + 2 * kv) + a * 3 * f + 4 * model.n_heads)
-    if training.activation_checkpointing:
-        blocks = model.n_layers * t * a * d + block
-    else:
+    kept = 1.0 - training.recomputed_forward  # selective: half of what a block saves
+    if training.activation_checkpointing == "none":
         blocks = model.n_layers * block
+    else:
+        blocks = model.n_layers * (t * a * d + int(kept * block)) + block
     # Final norm in/out, logits in bf16, their fp32 copy for the loss and its gradient.
     head = t * (2 * a * d + model.vocab_size * (a + 4 + 4))
     return blocks + head

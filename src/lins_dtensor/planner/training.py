@@ -7,6 +7,10 @@ import dataclasses
 from lins_dtensor.planner.models import PlannerError
 
 
+# Share of the forward pass that activation checkpointing recomputes in backward, per mode.
+RECOMPUTED_FORWARD = {"none": 0.0, "selective": 0.5, "full": 1.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingSpec:
     """One optimizer step = ``global_batch_tokens`` over all ranks, in micro-batches of
@@ -22,13 +26,16 @@ class TrainingSpec:
     and reduces to the optimizer layout during its backward; off, the reductions run
     at the optimizer step (``set_requires_gradient_sync(model, False)``).
     ``overlap_step``: the update gathers run behind the next forward, as the runtime
-    does; off, they are exposed.
+    does; off, they are exposed. ``activation_checkpointing`` is torchtitan's mode:
+    "none", "selective" (its per-op policy, which saves every other matmul output, or
+    every other block: about half the forward recomputed, half the activations kept) or
+    "full" (every block).
     """
 
     seq_len: int = 4096
     micro_batch: int = 1
     global_batch_tokens: int | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"
     param_bytes: int = 2
     reduce_bytes: int = 4
     master_bytes: int = 4
@@ -42,11 +49,19 @@ class TrainingSpec:
     clip_grad_norm: bool = False
 
     def __post_init__(self) -> None:
+        if self.activation_checkpointing not in RECOMPUTED_FORWARD:
+            raise PlannerError(
+                f"activation_checkpointing={self.activation_checkpointing!r} must be one of {', '.join(RECOMPUTED_FORWARD)}"
+            )
         if self.seq_len < 1 or self.micro_batch < 1:
             raise PlannerError(f"seq_len={self.seq_len} and micro_batch={self.micro_batch} must be >= 1")
         for name in ("overlap_fraction", "lins_overlap_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise PlannerError(f"{name}={getattr(self, name)} must be in [0, 1]")
+
+    @property
+    def recomputed_forward(self) -> float:
+        return RECOMPUTED_FORWARD[self.activation_checkpointing]
 
     @property
     def microbatch_tokens(self) -> int:

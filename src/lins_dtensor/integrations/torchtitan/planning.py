@@ -18,6 +18,7 @@ from lins_dtensor.integrations.torchtitan.config import LinsConfigError
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner import Baseline, BandwidthTable, ClusterSpec, TrainingSpec, choose_plan, evaluate, model_from_module
 from lins_dtensor.planner.search import baseline_plans
+from lins_dtensor.planner.training import RECOMPUTED_FORWARD
 
 MiB = float(1 << 20)
 
@@ -61,7 +62,8 @@ def _training(job_config, world: int):
         seq_len=t.seq_len,
         micro_batch=t.local_batch_size,
         global_batch_tokens=global_batch * t.seq_len,
-        activation_checkpointing=job_config.activation_checkpoint.mode != "none",
+        # memory_budget (torch.compile's) recomputes a budget-dependent share: costed as selective.
+        activation_checkpointing=ac_mode if (ac_mode := job_config.activation_checkpoint.mode) in RECOMPUTED_FORWARD else "selective",
         param_bytes=TORCH_DTYPE_MAP[t.mixed_precision_param].itemsize,
         reduce_bytes=TORCH_DTYPE_MAP[job_config.lins.grad_dtype or t.mixed_precision_reduce].itemsize,
         activation_bytes=TORCH_DTYPE_MAP[t.mixed_precision_param].itemsize,
