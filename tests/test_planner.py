@@ -31,8 +31,9 @@ from lins_dtensor.planner import (
     search,
 )
 from lins_dtensor.planner.bandwidth import CollectiveTimer, alpha_beta_seconds
-from lins_dtensor.planner.cli import main
+from lins_dtensor.planner.cli import main, model_arg, plan_parser
 from lins_dtensor.planner.hardware import hardware_preset
+from lins_dtensor.planner.models import model_from_text
 from lins_dtensor.planner.profile import message_sizes, needed_shapes, parse_size, shape_groups
 from lins_dtensor.schedule import Op, UnitGeometry, UnitSchedule, state_memory_bytes, step_collectives
 
@@ -55,6 +56,82 @@ def test_presets_follow_llama_rules():
     assert abs(model_preset("llama_7b").num_params / 1e9 - 6.74) < 0.01
     assert abs(model_preset("llama_13b").num_params / 1e9 - 13.02) < 0.01
     assert abs(model_preset("llama_30b").num_params / 1e9 - 32.53) < 0.01
+
+
+# Llama-2-7B's config.json (the shape keys, as Hugging Face publishes them)
+LLAMA2_7B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+    "tie_word_embeddings": False, "rms_norm_eps": 1e-05,
+}
+
+
+def _config(tmp_path, **changes) -> str:
+    """LLAMA2_7B_CONFIG with ``changes`` (None deletes a key), written as <tmp>/Llama-2-7b-hf/config.json."""
+    config = {k: v for k, v in {**LLAMA2_7B_CONFIG, **changes}.items() if v is not None}
+    path = tmp_path / "Llama-2-7b-hf" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("text, preset", [("llama3:8B", "llama3_8b"), ("llama3:70B", "llama3_70b"), ("llama3:405B", "llama3_405b"), ("llama3:debugmodel", "debugmodel")])
+def test_torchtitan_flavor_equals_the_preset(text, preset):
+    pytest.importorskip("torchtitan")
+    spec = model_from_text(text)
+    assert spec.name == text and dataclasses.replace(spec, name=preset) == model_preset(preset)
+
+
+def test_torchtitan_model_errors_are_one_line(monkeypatch):
+    pytest.importorskip("torchtitan")
+    for text, message in [("llama3:9B", "has no flavor '9B'"), ("nosuch:8B", "not available"), ("qwen3:0.6B", "no 'multiple_of'"),
+                          ("llama4:17bx16e", "mixture-of-experts")]:
+        with pytest.raises(PlannerError, match=message):
+            model_from_text(text)
+    monkeypatch.setitem(sys.modules, "torchtitan.protocols.train_spec", None)  # as if not installed
+    with pytest.raises(PlannerError, match="torchtitan is not importable"):
+        model_from_text("llama3:8B")
+
+
+def test_hf_config_equals_the_preset(tmp_path):
+    spec = model_from_text(_config(tmp_path))
+    assert spec.name == "Llama-2-7b-hf" and dataclasses.replace(spec, name="llama_7b") == model_preset("llama_7b")
+    gqa = model_from_text(_config(tmp_path, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256))
+    assert dataclasses.replace(gqa, name="llama3_8b") == model_preset("llama3_8b")
+    tied = model_from_text(_config(tmp_path, tie_word_embeddings=True))
+    assert len(tied.unit_shapes()) == 1 + 32 + 1  # no output unit: it reuses the embedding table
+    assert tied.num_params == spec.num_params - 32000 * 4096 and tied.matmul_params == spec.matmul_params
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(hidden_size=None), "missing key 'hidden_size'"),
+        (dict(intermediate_size=None), "missing key 'intermediate_size'"),
+        (dict(architectures=["MistralForCausalLM"]), "'architectures'"),
+        (dict(attention_bias=True), "'attention_bias' is true"),
+        (dict(vocab_size="32000"), "'vocab_size' must be a positive integer"),
+        (dict(num_key_value_heads=5), "not divisible by n_kv_heads=5"),
+        (dict(head_dim=64), "'head_dim'"),
+        (dict(tie_word_embeddings="yes"), "'tie_word_embeddings'"),
+    ],
+)
+def test_hf_config_refusals_are_one_line(tmp_path, capsys, changes, message):
+    assert main(["--model", _config(tmp_path, **changes), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_custom_shape_flags_equal_the_preset():
+    def spec(*flags: str) -> ModelSpec:
+        return model_arg(plan_parser().parse_args(["--model", "custom", "--gpus", "8", *flags]))
+
+    llama = ["--layers", "32", "--dim", "4096", "--ffn-dim", "11008", "--heads", "32", "--vocab", "32000"]
+    assert dataclasses.replace(spec(*llama), name="llama_7b") == model_preset("llama_7b")
+    assert dataclasses.replace(spec(*llama, "--kv-heads", "32"), name="llama_7b") == model_preset("llama_7b")
+    llama3 = ["--layers", "32", "--dim", "4096", "--ffn-dim", "14336", "--heads", "32", "--kv-heads", "8", "--vocab", "128256"]
+    assert dataclasses.replace(spec(*llama3), name="llama3_8b") == model_preset("llama3_8b")
+    assert spec(*llama, "--tied-embeddings").tied_embeddings
 
 
 class _Block(nn.Module):
@@ -268,6 +345,11 @@ def test_cli_human_and_json(capsys):
         (["--model", "llama_7b", "--gpus", "8", "--global-batch-tokens", "100"], "global batch"),
         (["--model", "llama_7b", "--gpus", "8", "--bandwidth", "/nonexistent.json"], "cannot read"),
         (["--gpus", "8"], "required"),
+        (["--model", "custom", "--layers", "32", "--gpus", "8"], "--model custom needs --dim, --ffn-dim, --heads, --vocab"),
+        (["--model", "custom", "--layers", "0", "--gpus", "8"], "argument --layers: must be a positive integer"),
+        (["--model", "custom", "--layers", "2", "--dim", "64", "--ffn-dim", "128", "--heads", "3", "--vocab", "99", "--gpus", "8"], "not divisible"),
+        (["--model", "llama_7b", "--dim", "64", "--gpus", "8"], "pass --model custom"),
+        (["--model", "/nonexistent/config.json", "--gpus", "8"], "cannot read model config"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(argv, message, capsys):

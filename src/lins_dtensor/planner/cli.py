@@ -14,13 +14,15 @@ import sys
 from lins_dtensor.plan import LinsPlanError
 from lins_dtensor.planner.bandwidth import BandwidthTable
 from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, GiB, hardware_preset
-from lins_dtensor.planner.models import MODEL_PRESETS, PlannerError, model_preset
+from lins_dtensor.planner.models import MODEL_PRESETS, ModelSpec, PlannerError, decoder_spec, model_from_text
 from lins_dtensor.planner.profile import run_profile
 from lins_dtensor.planner.report import to_json, to_text
 from lins_dtensor.planner.search import search
 from lins_dtensor.planner.training import TrainingSpec
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# --model custom: flag -> decoder_spec argument (--kv-heads may be left out: no GQA)
+_SHAPE_FLAGS = {"--layers": "n_layers", "--dim": "dim", "--ffn-dim": "ffn_dim", "--heads": "n_heads", "--kv-heads": "n_kv_heads", "--vocab": "vocab_size"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,10 +30,21 @@ class _Parser(argparse.ArgumentParser):
         raise PlannerError(message)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got '{text}'")
+    return value
+
+
 def plan_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lins-plan", description="Choose Lins sharding factors (s_p, s_g, s_os) by predicted step time. "
                 "'lins-plan profile --help' measures a bandwidth table.")
-    p.add_argument("--model", required=True, help=f"preset: {', '.join(MODEL_PRESETS)}")
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODEL_PRESETS)}), a torchtitan model:flavor "
+                   "(llama3:8B; needs torchtitan), a Hugging Face LlamaForCausalLM config.json, or custom with the shape flags")
     p.add_argument("--gpus", type=int, required=True, help="total ranks")
     p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: the hardware's)")
     p.add_argument("--hardware", default="a800", help=f"preset: {', '.join(HARDWARE_PRESETS)}")
@@ -51,11 +64,28 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-tolerance", type=float, default=0.02, help="near-ties within this fraction go to the plan with the least inter-node traffic")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    shape = p.add_argument_group("--model custom", "the decoder's shape (all but --kv-heads and --tied-embeddings required)")
+    for flag, dest in _SHAPE_FLAGS.items():
+        shape.add_argument(flag, dest=dest, type=_positive_int, default=None)
+    shape.add_argument("--tied-embeddings", action="store_true", help="the output projection reuses the embedding table")
     return p
 
 
+def model_arg(args: argparse.Namespace) -> ModelSpec:
+    """--model, or with --model custom the shape flags (which mean nothing otherwise)."""
+    given = [flag for flag, dest in _SHAPE_FLAGS.items() if getattr(args, dest) is not None]
+    if args.model != "custom":
+        if given or args.tied_embeddings:
+            raise PlannerError(f"{(given or ['--tied-embeddings'])[0]} describes a custom model; pass --model custom")
+        return model_from_text(args.model)
+    missing = [flag for flag, dest in _SHAPE_FLAGS.items() if getattr(args, dest) is None and flag != "--kv-heads"]
+    if missing:
+        raise PlannerError(f"--model custom needs {', '.join(missing)}")
+    return decoder_spec("custom", tied_embeddings=args.tied_embeddings, **{dest: getattr(args, dest) for dest in _SHAPE_FLAGS.values()})
+
+
 def build_inputs(args: argparse.Namespace) -> tuple:
-    model = model_preset(args.model)
+    model = model_arg(args)
     hw = hardware_preset(args.hardware)
     if args.inter_node_gbit is not None:
         if args.inter_node_gbit <= 0:

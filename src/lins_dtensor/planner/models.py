@@ -1,5 +1,8 @@
 """Model descriptions the planner can cost: LLaMA-style decoder shapes, grouped into units.
 
+A model comes from a preset, torchtitan's registry (``llama3:8B``), a Hugging Face
+``config.json``, explicit shape numbers (:func:`decoder_spec`) or an ``nn.Module``.
+
 The planner does not derive byte counts itself: it hands each unit's parameter shapes
 to :mod:`lins_dtensor.schedule`, so the units here must be grouped the way the runtime
 groups them (``lins_dtensor.runtime.default_units``: the token embedding, one unit per
@@ -10,8 +13,10 @@ transformer block, the final norm, the output projection). The architecture numb
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from torch import nn
 
@@ -39,6 +44,8 @@ class ModelSpec:
     ``units`` (optional) are explicit parameter shapes per FSDP unit, e.g. read from an
     ``nn.Module``; when absent they are built from the architecture numbers.
     ``embedding_params`` are excluded from the 6*N FLOP count (a lookup, not a matmul).
+    ``tied_embeddings``: the output projection reuses the embedding table, so there is
+    no output unit and the table counts as matmul parameters.
     """
 
     name: str
@@ -50,6 +57,7 @@ class ModelSpec:
     n_kv_heads: int | None = None
     units: tuple[tuple[Shape, ...], ...] | None = None
     embedding_params: int | None = None
+    tied_embeddings: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -69,7 +77,8 @@ class ModelSpec:
         if self.units is not None:
             return [tuple(tuple(s) for s in unit) for unit in self.units]
         d, v = self.dim, self.vocab_size
-        return [((v, d),), *[self.block_shapes()] * self.n_layers, ((d,),), ((v, d),)]
+        output = [] if self.tied_embeddings else [((v, d),)]
+        return [((v, d),), *[self.block_shapes()] * self.n_layers, ((d,),), *output]
 
     @property
     def num_params(self) -> int:
@@ -77,13 +86,43 @@ class ModelSpec:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (all but the embedding table)."""
+        """Parameters that take part in a matmul per token (all but an untied embedding table)."""
+        if self.tied_embeddings:
+            return self.num_params
         embedding = self.vocab_size * self.dim if self.embedding_params is None else self.embedding_params
         return self.num_params - embedding
 
 
-def _llama3(name: str, dim: int, n_layers: int, n_heads: int, vocab: int, kv: int | None, multiple_of: int, mult: float | None) -> ModelSpec:
-    return ModelSpec(name, dim, n_layers, n_heads, vocab, llama_ffn_dim(dim, multiple_of, mult), kv)
+def _check_positive(where: str, key: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlannerError(f"{where}: {key} must be a positive integer, got {value!r}")
+
+
+def decoder_spec(
+    name: str, *, dim: int, n_layers: int, n_heads: int, vocab_size: int, ffn_dim: int,
+    n_kv_heads: int | None = None, tied_embeddings: bool = False,
+) -> ModelSpec:
+    """A checked ModelSpec from architecture numbers. ``n_kv_heads`` equal to ``n_heads``
+    is stored as None, so one shape has one ModelSpec however it was described."""
+    numbers = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "vocab_size": vocab_size, "ffn_dim": ffn_dim, "n_kv_heads": n_kv_heads}
+    for key, value in numbers.items():
+        if value is not None:
+            _check_positive(name, key, value)
+    if dim % n_heads:
+        raise PlannerError(f"{name}: dim={dim} is not divisible by n_heads={n_heads}")
+    kv = n_heads if n_kv_heads is None else n_kv_heads
+    if n_heads % kv:
+        raise PlannerError(f"{name}: n_heads={n_heads} is not divisible by n_kv_heads={kv}")
+    return ModelSpec(name, dim, n_layers, n_heads, vocab_size, ffn_dim, None if kv == n_heads else kv, tied_embeddings=tied_embeddings)
+
+
+def _llama3(
+    name: str, dim: int, n_layers: int, n_heads: int, vocab_size: int, n_kv_heads: int | None, multiple_of: int,
+    ffn_dim_multiplier: float | None,
+) -> ModelSpec:
+    """A LLaMA-3 shape in torchtitan's terms (the presets and torchtitan's registry)."""
+    ffn_dim = llama_ffn_dim(dim, multiple_of, ffn_dim_multiplier)
+    return decoder_spec(name, dim=dim, n_layers=n_layers, n_heads=n_heads, vocab_size=vocab_size, ffn_dim=ffn_dim, n_kv_heads=n_kv_heads)
 
 
 # torchtitan 0.2.2 llama3 flavors (vocab 128256 is TransformerModelArgs' default) and the
@@ -104,8 +143,99 @@ def model_preset(name: str) -> ModelSpec:
     key = name.strip().lower().replace("-", "_")
     key = _ALIASES.get(key, key)
     if key not in MODEL_PRESETS:
-        raise PlannerError(f"unknown model preset '{name}'; known: {', '.join(MODEL_PRESETS)}")
+        raise PlannerError(
+            f"unknown model preset '{name}'; known: {', '.join(MODEL_PRESETS)}; "
+            "or a torchtitan model:flavor (llama3:8B), a Hugging Face config.json path, or custom with shape flags"
+        )
     return MODEL_PRESETS[key]
+
+
+_LLAMA_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
+
+
+def model_from_llama_args(name: str, args) -> ModelSpec:
+    """A ModelSpec from torchtitan-style LLaMA model args (``TransformerModelArgs``)."""
+    missing = next((key for key in _LLAMA_ARGS if not hasattr(args, key)), None)
+    if missing is not None:
+        raise PlannerError(f"{name}: model args have no '{missing}'; the planner costs dense LLaMA-style decoders")
+    if hasattr(args, "moe_args"):
+        raise PlannerError(f"{name} is a mixture-of-experts model; the planner costs dense LLaMA-style decoders")
+    return _llama3(name, **{key: getattr(args, key) for key in _LLAMA_ARGS})
+
+
+def model_from_torchtitan(text: str) -> ModelSpec:
+    """``model:flavor`` from torchtitan's registry, e.g. ``llama3:70B``.
+
+    torchtitan is an optional dependency, so it is imported here, not with the planner.
+    """
+    model, _, flavor = text.partition(":")
+    try:
+        from torchtitan.protocols.train_spec import get_train_spec
+    except ImportError as exc:
+        raise PlannerError(f"'{text}' names a torchtitan model but torchtitan is not importable ({exc}); install lins_dtensor[torchtitan]") from None
+    try:
+        flavors = get_train_spec(model).model_args
+    except (ImportError, ValueError) as exc:
+        raise PlannerError(f"torchtitan model '{model}' is not available: {exc}") from None
+    if flavor not in flavors:
+        raise PlannerError(f"torchtitan's {model} has no flavor '{flavor}'; known: {', '.join(flavors)}")
+    return model_from_llama_args(text, flavors[flavor])
+
+
+# config.json key -> decoder_spec argument; num_key_value_heads and tie_word_embeddings
+# take Hugging Face's defaults (num_attention_heads, false) when absent.
+_HF_KEYS = {
+    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+    "vocab_size": "vocab_size", "intermediate_size": "ffn_dim",
+}
+_HF_ARCHITECTURE = "LlamaForCausalLM"
+
+
+def model_from_hf_config(path: str | Path) -> ModelSpec:
+    """A Hugging Face ``LlamaForCausalLM`` config.json, read without transformers.
+
+    Other architectures, biases and a head_dim other than hidden_size / heads change the
+    parameter shapes this model describes, so they are refused, naming the key.
+    """
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise PlannerError(f"cannot read model config '{path}': {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise PlannerError(f"model config '{path}' is not JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(config, dict):
+        raise PlannerError(f"model config '{path}' is not a JSON object")
+    if config.get("architectures") != [_HF_ARCHITECTURE]:
+        raise PlannerError(f"{path}: 'architectures' is {config.get('architectures')!r}; the planner reads {_HF_ARCHITECTURE} configs")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise PlannerError(f"{path}: '{key}' is true; the planner's shapes have no biases")
+    numbers = {}
+    for key, arg in [*_HF_KEYS.items(), ("num_key_value_heads", "n_kv_heads")]:
+        value = config.get(key)
+        if value is None and key in _HF_KEYS:
+            raise PlannerError(f"{path}: missing key '{key}'")
+        if value is not None:
+            _check_positive(str(path), f"'{key}'", value)
+        numbers[arg] = value
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * numbers["n_heads"] != numbers["dim"]:
+        raise PlannerError(f"{path}: 'head_dim' {head_dim} is not hidden_size / num_attention_heads")
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise PlannerError(f"{path}: 'tie_word_embeddings' must be true or false, got {tied!r}")
+    name = path.resolve().parent.name if path.name == "config.json" else path.stem
+    return decoder_spec(name, tied_embeddings=tied, **numbers)
+
+
+def model_from_text(text: str) -> ModelSpec:
+    """What ``--model`` names: a config.json path, a torchtitan ``model:flavor``, or a preset."""
+    if text.endswith(".json") or Path(text).is_file():
+        return model_from_hf_config(text)
+    if ":" in text:
+        return model_from_torchtitan(text)
+    return model_preset(text)
 
 
 def model_from_module(

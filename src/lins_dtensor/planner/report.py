@@ -34,6 +34,7 @@ def plan_record(cost: PlanCost, ranks_per_node: int) -> dict:
 def to_json(ex: Explanation, top: int = 10) -> dict:
     rpn = ex.cluster.gpus_per_node
     win = ex.cost
+    m = ex.model
     baselines = []
     for b in ex.baselines:
         entry = {"name": b.name, "note": b.note}
@@ -42,7 +43,10 @@ def to_json(ex: Explanation, top: int = 10) -> dict:
             entry["speedup_of_chosen"] = round(b.cost.step_s / win.step_s, 4)
         baselines.append(entry)
     return {
-        "model": {"name": ex.model.name, "params": ex.model.num_params},
+        "model": {
+            "name": m.name, "params": m.num_params, "dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads,
+            "kv_heads": m.kv_heads, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tied_embeddings": m.tied_embeddings,
+        },
         "cluster": {
             "gpus": ex.cluster.gpus, "gpus_per_node": rpn, "nodes": ex.cluster.nodes,
             "hardware": ex.cluster.hardware.name, "memory_budget_gib": round(ex.cluster.memory_budget / GiB, 3),

@@ -15,7 +15,7 @@ from lins_dtensor.planner.bandwidth import CollectiveTimer
 from lins_dtensor.planner.cost import PlanCost, evaluate
 from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import GiB
-from lins_dtensor.planner.models import ModelSpec, PlannerError, model_from_module, model_preset
+from lins_dtensor.planner.models import ModelSpec, PlannerError, model_from_module, model_from_text
 from lins_dtensor.planner.training import TrainingSpec
 
 # (display name, preset text; {k} is the node size)
@@ -61,14 +61,14 @@ class Explanation:
 
 
 def resolve_model(model, **module_hints) -> ModelSpec:
-    """A ModelSpec from a ModelSpec, a preset name or an ``nn.Module``."""
+    """A ModelSpec from a ModelSpec, a name (preset, ``model:flavor``, config.json) or an ``nn.Module``."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
-        return model_preset(model)
+        return model_from_text(model)
     if isinstance(model, nn.Module):
         return model_from_module(model, **module_hints)
-    raise PlannerError(f"model must be a ModelSpec, a preset name or an nn.Module, got {type(model).__name__}")
+    raise PlannerError(f"model must be a ModelSpec, a name or an nn.Module, got {type(model).__name__}")
 
 
 def baseline_plans(world: int, ranks_per_node: int) -> list[tuple[str, LinsPlan | None, str]]:
@@ -169,7 +169,8 @@ def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *,
 def choose_plan(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *, tie_tolerance: float = 0.02, **module_hints) -> tuple[LinsPlan, Explanation]:
     """The fastest plan that fits, and why.
 
-    ``model``: a :class:`ModelSpec`, a preset name, or an ``nn.Module`` (its parameter
+    ``model``: a :class:`ModelSpec`, a preset name, a torchtitan ``model:flavor``, a
+    Hugging Face config.json path, or an ``nn.Module`` (its parameter
     shapes are read; pass ``n_layers=``, ``dim=``, ``n_heads=``, ``vocab_size=`` when the
     module does not tell them). Plans within ``tie_tolerance`` of the fastest are
     settled by fewest inter-node bytes (see :func:`pick_winner`). Raises :class:`PlannerError` when nothing fits.
