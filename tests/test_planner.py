@@ -222,12 +222,22 @@ def test_padding_uses_rank0_ceil_chunks():
     assert memory.params == 2 * 5 * 2
 
 
+def test_selective_activation_checkpointing_lies_between_none_and_full():
+    cluster = ClusterSpec.preset("a800", 64)
+    costs = {mode: evaluate(LinsPlan(64, 64, 64), model_preset("llama_7b"), cluster, TrainingSpec(**PAPER, activation_checkpointing=mode))
+             for mode in ("none", "selective", "full")}
+    assert costs["none"].compute_s["backward"] < costs["selective"].compute_s["backward"] < costs["full"].compute_s["backward"]
+    assert costs["none"].memory.activations > costs["selective"].memory.activations > costs["full"].memory.activations
+    with pytest.raises(PlannerError, match="activation_checkpointing='sometimes' must be one of none, selective, full"):
+        TrainingSpec(activation_checkpointing="sometimes")
+
+
 def test_activation_checkpointing_and_overlap_switches():
     cluster = ClusterSpec.preset("a800", 64)
     base = TrainingSpec(**PAPER)
     plan = LinsPlan(64, 64, 64)
     full = evaluate(plan, model_preset("llama_7b"), cluster, base)
-    ckpt = evaluate(plan, model_preset("llama_7b"), cluster, TrainingSpec(**PAPER, activation_checkpointing=True))
+    ckpt = evaluate(plan, model_preset("llama_7b"), cluster, TrainingSpec(**PAPER, activation_checkpointing="full"))
     exposed = evaluate(plan, model_preset("llama_7b"), cluster, TrainingSpec(**PAPER, overlap=False))
     assert ckpt.memory.activations < full.memory.activations / 4
     assert ckpt.compute_s["backward"] > full.compute_s["backward"]

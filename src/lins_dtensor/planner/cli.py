@@ -51,7 +51,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step (default: one micro-batch per rank)")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=("none", "selective", "full"),
+                   help="recompute in backward: none, selective (torchtitan's per-op policy) or full (the bare flag)")
     p.add_argument("--bandwidth", metavar="FILE", help="JSON table from 'lins-plan profile'")
     p.add_argument("--memory-budget-gib", type=float, default=None, help="usable memory per rank (default: device memory less a reserve)")
     p.add_argument("--inter-node-gbit", type=float, default=None, help="override the hardware's inter-node bandwidth per node (Gbit/s)")

@@ -31,24 +31,28 @@ def plan_record(cost: PlanCost, ranks_per_node: int) -> dict:
     }
 
 
-def to_json(ex: Explanation, top: int = 10) -> dict:
-    rpn = ex.cluster.gpus_per_node
-    win = ex.cost
-    m = ex.model
-    baselines = []
+def baseline_records(ex: Explanation) -> list[dict]:
+    """Each named baseline: its plan record and how much slower it is than the chosen plan."""
+    out = []
     for b in ex.baselines:
         entry = {"name": b.name, "note": b.note}
         if b.cost is not None:
-            entry.update(plan_record(b.cost, rpn))
-            entry["speedup_of_chosen"] = round(b.cost.step_s / win.step_s, 4)
-        baselines.append(entry)
+            entry.update(plan_record(b.cost, ex.cluster.gpus_per_node))
+            entry["speedup_of_chosen"] = round(b.cost.step_s / ex.cost.step_s, 4)
+        out.append(entry)
+    return out
+
+
+def setting_record(ex: Explanation) -> dict:
+    """What was planned for: the model, the cluster and how it trains."""
+    m = ex.model
     return {
         "model": {
             "name": m.name, "params": m.num_params, "dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads,
             "kv_heads": m.kv_heads, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tied_embeddings": m.tied_embeddings,
         },
         "cluster": {
-            "gpus": ex.cluster.gpus, "gpus_per_node": rpn, "nodes": ex.cluster.nodes,
+            "gpus": ex.cluster.gpus, "gpus_per_node": ex.cluster.gpus_per_node, "nodes": ex.cluster.nodes,
             "hardware": ex.cluster.hardware.name, "memory_budget_gib": round(ex.cluster.memory_budget / GiB, 3),
             "bandwidth": "table" if ex.cluster.bandwidth is not None else "alpha-beta",
         },
@@ -60,9 +64,16 @@ def to_json(ex: Explanation, top: int = 10) -> dict:
             "reduce_in_backward": ex.training.reduce_in_backward, "overlap_step": ex.training.overlap_step,
             "reduce_bytes": ex.training.reduce_bytes,
         },
-        "chosen": plan_record(win, rpn),
+    }
+
+
+def to_json(ex: Explanation, top: int = 10) -> dict:
+    rpn = ex.cluster.gpus_per_node
+    return {
+        **setting_record(ex),
+        "chosen": plan_record(ex.cost, rpn),
         "reason": ex.reason,
-        "baselines": baselines,
+        "baselines": baseline_records(ex),
         "top": [plan_record(c, rpn) for c in ex.ranked[:top]],
         "evaluated": len(ex.ranked) + len(ex.dropped),
         "dropped": {
@@ -73,7 +84,7 @@ def to_json(ex: Explanation, top: int = 10) -> dict:
     }
 
 
-def _split_text(cost: PlanCost, rpn: int) -> str:
+def split_text(cost: PlanCost, rpn: int) -> str:
     split = cost.plan.split(rpn)
     return " | ".join(f"{a}x{b}" for a, b in split.values())
 
@@ -84,23 +95,30 @@ def _row(label: str, cost: PlanCost | None, rpn: int, win: PlanCost, note: str =
     mem = f"{cost.memory.peak / GiB:6.1f}" + ("" if cost.fits else f" (OOM +{cost.over_bytes / GiB:.1f})")
     speed = f"{cost.step_s / win.step_s:6.2f}x"
     return (
-        f"  {label:<16} {str(cost.plan):<26} {_split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}% "
+        f"  {label:<16} {str(cost.plan):<26} {split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}% "
         f"{mem:<16} {cost.link_bytes('inter') / 1e9:8.2f} {speed}"
+    )
+
+
+def setting_text(ex: Explanation) -> str:
+    """The model, cluster and training knobs, on one line."""
+    t = ex.training
+    return (
+        f"{ex.model.name} ({ex.model.num_params / 1e9:.2f} B params) on {ex.cluster.gpus} x "
+        f"{ex.cluster.hardware.name} ({ex.cluster.nodes} nodes x {ex.cluster.gpus_per_node}), seq {t.seq_len}, micro-batch {t.micro_batch}, "
+        f"M={ex.microbatches} micro-batches/step"
+        + ("" if t.activation_checkpointing == "none" else f", {t.activation_checkpointing} activation checkpointing")
+        + (", overlap off" if not t.overlap else f", overlap FSDP2 {t.overlap_fraction:g} / Lins {t.lins_overlap_fraction:g}")
+        + ("" if t.reduce_in_backward else ", reductions at the step")
+        + ("" if t.overlap_step else ", update gathers exposed")
     )
 
 
 def to_text(ex: Explanation, top: int = 10) -> str:
     rpn = ex.cluster.gpus_per_node
     win = ex.cost
-    t = ex.training
     lines = [
-        f"Lins planner: {ex.model.name} ({ex.model.num_params / 1e9:.2f} B params) on {ex.cluster.gpus} x "
-        f"{ex.cluster.hardware.name} ({ex.cluster.nodes} nodes x {rpn}), seq {t.seq_len}, micro-batch {t.micro_batch}, "
-        f"M={ex.microbatches} micro-batches/step"
-        + (", activation checkpointing" if t.activation_checkpointing else "")
-        + (", overlap off" if not t.overlap else f", overlap FSDP2 {t.overlap_fraction:g} / Lins {t.lins_overlap_fraction:g}")
-        + ("" if t.reduce_in_backward else ", reductions at the step")
-        + ("" if t.overlap_step else ", update gathers exposed"),
+        f"Lins planner: {setting_text(ex)}",
         f"bandwidth: {'measured table' if ex.cluster.bandwidth is not None else 'alpha-beta model of ' + ex.cluster.hardware.name}"
         + (f" (alpha-beta for {len(ex.table_fallbacks)} unmeasured shapes)" if ex.table_fallbacks else "")
         + f"; memory budget {ex.cluster.memory_budget / GiB:.1f} GiB per rank",
