@@ -51,6 +51,10 @@ class _DistUtilsWithLinsClip(types.ModuleType):
 
 @contextlib.contextmanager
 def _lins_clipping(optimizers):
+    """The one place Lins reaches into torchtitan's namespace. torchtitan 0.2.2's
+    ``train_step`` clips with ``dist_utils.clip_grad_norm_`` and logs what it returns,
+    with no hook to clip otherwise. Waits for: a ``Trainer`` clipping method (or the
+    optimizer container's) that a subclass can override."""
     original = titan_train.dist_utils
     titan_train.dist_utils = _DistUtilsWithLinsClip(original, optimizers)
     try:
