@@ -27,7 +27,9 @@ the fit. Sources of the network numbers, each a published measurement:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 from lins_dtensor.planner.models import PlannerError
 
@@ -130,3 +132,74 @@ class ClusterSpec:
     def preset(cls, hardware: str, gpus: int, gpus_per_node: int | None = None, **kwargs) -> "ClusterSpec":
         hw = hardware_preset(hardware)
         return cls(gpus, gpus_per_node or min(hw.ranks_per_node, gpus), hw, **kwargs)
+
+
+HARDWARE_FORMAT = "lins-hardware/1"
+_OPTIONAL_FLOATS = {"copy_bw"}  # None has a meaning (see HardwareSpec)
+
+
+def hardware_to_json(hw: HardwareSpec) -> dict:
+    """A hardware file's content; infinities (no tree all-reduce) are written "inf",
+    which strict JSON readers accept, unlike Infinity."""
+    data: dict = {"format": HARDWARE_FORMAT}
+    for key, value in dataclasses.asdict(hw).items():
+        data[key] = "inf" if isinstance(value, float) and math.isinf(value) else value
+    return data
+
+
+def hardware_from_json(data: object, where: str = "hardware file") -> HardwareSpec:
+    """The inverse of :func:`hardware_to_json`; every malformed field is a one-line PlannerError."""
+    if not isinstance(data, dict) or data.get("format") != HARDWARE_FORMAT:
+        raise PlannerError(f"{where} is not a '{HARDWARE_FORMAT}' JSON object (write one with 'lins-plan calibrate')")
+    fields = {f.name: f for f in dataclasses.fields(HardwareSpec)}
+    unknown = sorted(set(data) - set(fields) - {"format"})
+    if unknown:
+        raise PlannerError(f"{where}: unknown field '{unknown[0]}'")
+    missing = [name for name, f in fields.items() if f.default is dataclasses.MISSING and name not in data]
+    if missing:
+        raise PlannerError(f"{where}: missing field '{missing[0]}'")
+    kwargs: dict = {}
+    for key, value in data.items():
+        if key == "format":
+            continue
+        default = fields[key].default
+        try:
+            if key == "name":
+                kwargs[key] = str(value)
+            elif isinstance(default, bool) or key == "memory_shared_by_world":
+                if not isinstance(value, bool):
+                    raise ValueError
+                kwargs[key] = value
+            elif key == "ranks_per_node":
+                if isinstance(value, bool) or int(value) != value or value < 1:
+                    raise ValueError
+                kwargs[key] = int(value)
+            elif value is None and key in _OPTIONAL_FLOATS:
+                kwargs[key] = None
+            else:
+                if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                    raise ValueError
+                number = float(value)
+                if not number >= 0 or (number == 0 and key not in ("unit_overhead_s", "replicated_unit_overhead_s")):
+                    raise ValueError
+                kwargs[key] = number
+        except (TypeError, ValueError):
+            raise PlannerError(f"{where}: '{key}' = {value!r} is not valid") from None
+    if kwargs.get("efficiency", 0.6) > 1:
+        raise PlannerError(f"{where}: 'efficiency' = {kwargs['efficiency']} must be in (0, 1]")
+    return HardwareSpec(**kwargs)
+
+
+def save_hardware(hw: HardwareSpec, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(hardware_to_json(hw), indent=1) + "\n")
+
+
+def load_hardware(path: str | Path) -> HardwareSpec:
+    """A hardware file (from ``lins-plan calibrate``), used instead of a preset."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise PlannerError(f"cannot read hardware file '{path}': {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise PlannerError(f"hardware file '{path}' is not JSON: {exc.msg} at line {exc.lineno}") from None
+    return hardware_from_json(data, f"hardware file '{path}'")

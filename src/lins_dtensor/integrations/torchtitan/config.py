@@ -47,6 +47,9 @@ class Lins:
     hardware: str = ""
     """Hardware preset the planner models ("" guesses: h100 on CUDA, cpu-emulated on CPU)."""
 
+    hardware_file: str = ""
+    """Hardware file from ``lins-plan calibrate`` used instead of the preset ("" : none)."""
+
     offline_assets: bool = True
     """When model.hf_assets_path has no tokenizer.json, train a small BPE tokenizer there
     from text that ships with Python (no hub access needed)."""

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from lins_dtensor.integrations.torchtitan import planning
 from lins_dtensor.integrations.torchtitan.config import LinsConfigError
 from lins_dtensor.plan import PRESET_NAMES, LinsPlan, LinsPlanError
+from lins_dtensor.planner.hardware import load_hardware
+from lins_dtensor.planner.models import PlannerError
 
 _RESHARD = ("plan", "always", "never")
 _GRAD_DTYPES = ("", "float32", "bfloat16")
@@ -71,6 +73,11 @@ def check_config(job_config) -> None:
         raise LinsConfigError(f"[lins] grad_dtype = '{lins.grad_dtype}': must be one of {_GRAD_DTYPES[1:]} or empty")
     if lins.bandwidth_file and not os.path.isfile(lins.bandwidth_file):
         raise LinsConfigError(f"[lins] bandwidth_file = '{lins.bandwidth_file}': no such file")
+    if lins.hardware_file:
+        try:
+            load_hardware(lins.hardware_file)
+        except PlannerError as exc:
+            raise LinsConfigError(f"[lins] hardware_file: {exc}") from None
     if job_config.checkpoint.create_seed_checkpoint:
         return  # one process writes the unsharded model; the plan applies when it is loaded
     world = world_size()

@@ -4,7 +4,9 @@
 chosen plan's memory and step time and those of the named baselines (DDP, ZeRO-1/2/3,
 HSDP/MiCS, hpZ) on the same cluster; that is the table rank 0 prints at start-up and
 writes to TensorBoard. If the planner fails for an explicit plan, the plan still runs
-and the table shows model-state bytes from the plan alone.
+and the table shows model-state bytes from the plan alone. The prediction also carries
+the run's description (model, cluster, training, plan) that ``lins-plan calibrate``
+needs, so calibration reuses this start-up prediction's inputs rather than guessing them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from lins_dtensor.integrations.torchtitan.config import LinsConfigError
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner import Baseline, BandwidthTable, ClusterSpec, TrainingSpec, choose_plan, evaluate, model_from_module
+from lins_dtensor.planner.calibrate import CalibrationRun, run_to_json
+from lins_dtensor.planner.hardware import load_hardware
 from lins_dtensor.planner.search import baseline_plans
 from lins_dtensor.planner.training import RECOMPUTED_FORWARD
 
@@ -31,6 +35,7 @@ class Prediction:
     baselines: list  # lins_dtensor.planner.Baseline
     explanation: object | None = None  # lins_dtensor.planner.Explanation, when auto
     cluster_text: str = ""
+    run_description: dict | None = None  # lins-calibration/1 JSON without measurements
 
     @property
     def step_seconds(self) -> float:
@@ -51,6 +56,8 @@ def _hardware_name(job_config) -> str:
 
 def _cluster(job_config, world: int, rpn: int):
     bandwidth = BandwidthTable.load(job_config.lins.bandwidth_file) if job_config.lins.bandwidth_file else None
+    if job_config.lins.hardware_file:
+        return ClusterSpec(world, rpn, load_hardware(job_config.lins.hardware_file), bandwidth)
     return ClusterSpec.preset(_hardware_name(job_config), world, rpn, bandwidth=bandwidth)
 
 
@@ -78,7 +85,8 @@ def choose(job_config, model, world: int, rpn: int) -> tuple[LinsPlan, Predictio
     except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise LinsConfigError(f"[lins] plan = 'auto': {first}") from None
-    return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster))
+    run = CalibrationRun(explanation.model, explanation.cluster, explanation.training, [], str(plan))
+    return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster), run_to_json(run))
 
 
 def predict(job_config, model, plan: LinsPlan, world: int, rpn: int) -> Prediction | None:
@@ -90,7 +98,8 @@ def predict(job_config, model, plan: LinsPlan, world: int, rpn: int) -> Predicti
             Baseline(name, p, None if p is None else evaluate(p, spec, cluster, training), note)
             for name, p, note in baseline_plans(world, rpn)
         ]
-        return Prediction(evaluate(plan, spec, cluster, training), baselines, None, _cluster_text(cluster))
+        run = run_to_json(CalibrationRun(spec, cluster, training, [], str(plan)))
+        return Prediction(evaluate(plan, spec, cluster, training), baselines, None, _cluster_text(cluster), run)
     except Exception:  # noqa: BLE001 - the table is informative only; training goes on
         return None
 
