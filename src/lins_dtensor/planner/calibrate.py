@@ -214,6 +214,7 @@ def predict(run: CalibrationRun, hardware: HardwareSpec, m: Measurement) -> Plan
         training = dataclasses.replace(training, global_batch_tokens=m.microbatches * training.microbatch_tokens * cluster.gpus)
     try:
         plan = LinsPlan.parse(m.plan, world_size=cluster.gpus)
+        plan.validate(cluster.gpus, cluster.gpus_per_node)
     except LinsPlanError as exc:
         raise PlannerError(f"measured plan '{m.plan}': {exc}") from None
     return evaluate(plan, run.model, cluster, training)

@@ -13,12 +13,12 @@ import sys
 
 from lins_dtensor.plan import LinsPlanError
 from lins_dtensor.planner.bandwidth import BandwidthTable
-from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, GiB, hardware_preset
+from lins_dtensor.planner.calibrate import run_calibrate
+from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, GiB, hardware_preset, load_hardware
 from lins_dtensor.planner.models import MODEL_PRESETS, ModelSpec, PlannerError, decoder_spec, model_from_text
 from lins_dtensor.planner.profile import run_profile
 from lins_dtensor.planner.report import to_json, to_text
 from lins_dtensor.planner.search import search
-from lins_dtensor.planner.sweep import SWEEPABLE, SweepPoint, parse_sweep, plot_sweep, sweep_json, sweep_text
 from lins_dtensor.planner.training import TrainingSpec
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -49,6 +49,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True, help="total ranks")
     p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: the hardware's)")
     p.add_argument("--hardware", default="a800", help=f"preset: {', '.join(HARDWARE_PRESETS)}")
+    p.add_argument("--hardware-file", metavar="FILE", help="hardware from 'lins-plan calibrate', instead of --hardware's preset")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step (default: one micro-batch per rank)")
@@ -66,9 +67,6 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-tolerance", type=float, default=0.02, help="near-ties within this fraction go to the plan with the least inter-node traffic")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--sweep", metavar="KEY=V1,V2,...", help=f"plan at each value of {', '.join(SWEEPABLE)} (e.g. inter-node-gbit=25,50,100,200,400) "
-                   "and show where the choice turns")
-    p.add_argument("--plot", metavar="FILE.png", help="with --sweep: plot step times against the swept value (needs matplotlib)")
     shape = p.add_argument_group("--model custom", "the decoder's shape (all but --kv-heads and --tied-embeddings required)")
     for flag, dest in _SHAPE_FLAGS.items():
         shape.add_argument(flag, dest=dest, type=_positive_int, default=None)
@@ -91,7 +89,7 @@ def model_arg(args: argparse.Namespace) -> ModelSpec:
 
 def build_inputs(args: argparse.Namespace) -> tuple:
     model = model_arg(args)
-    hw = hardware_preset(args.hardware)
+    hw = load_hardware(args.hardware_file) if args.hardware_file else hardware_preset(args.hardware)
     if args.inter_node_gbit is not None:
         if args.inter_node_gbit <= 0:
             raise PlannerError("--inter-node-gbit must be > 0")
@@ -113,33 +111,8 @@ def build_inputs(args: argparse.Namespace) -> tuple:
     return model, cluster, training
 
 
-def run_sweep(args: argparse.Namespace) -> int:
-    """One search per swept value, all else as given."""
-    key, values = parse_sweep(args.sweep)
-    dest = SWEEPABLE[key][0]
-    if getattr(args, dest) is not None:
-        raise PlannerError(f"--sweep {key} and --{key} both set it; give one")
-    if args.bandwidth:
-        raise PlannerError(f"--sweep {key} varies the alpha-beta model, which a --bandwidth table replaces; drop one")
-    points = []
-    for value in values:
-        model, cluster, training = build_inputs(argparse.Namespace(**{**vars(args), dest: value}))
-        points.append(SweepPoint(value, search(model, cluster, training, tie_tolerance=args.tie_tolerance)))
-    if args.plot:
-        plot_sweep(key, points, args.plot)
-    if args.json:
-        print(json.dumps(sweep_json(key, points)))
-    else:
-        print(sweep_text(key, points) + (f"\nplot: {args.plot}" if args.plot else ""))
-    return 0
-
-
 def run_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
-    if args.sweep:
-        return run_sweep(args)
-    if args.plot:
-        raise PlannerError("--plot draws a sweep; add --sweep KEY=V1,V2,...")
     model, cluster, training = build_inputs(args)
     explanation = search(model, cluster, training, tie_tolerance=args.tie_tolerance)
     if args.json:
@@ -154,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] == "profile":
             return run_profile(argv[1:])
+        if argv and argv[0] == "calibrate":
+            return run_calibrate(argv[1:])
         return run_plan(argv)
     except (PlannerError, LinsPlanError) as exc:
         print(f"lins-plan: error: {exc}", file=sys.stderr)

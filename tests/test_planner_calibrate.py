@@ -1,0 +1,209 @@
+"""Calibration from a run: the fit, the hardware and run files, the CLI, the benchmark."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lins_dtensor.planner.calibrate import (
+    CalibrationRun,
+    Measurement,
+    fit,
+    load_run,
+    predict,
+    run_from_json,
+    run_to_json,
+)
+from lins_dtensor.planner.cli import main
+from lins_dtensor.planner.hardware import (
+    HARDWARE_PRESETS,
+    ClusterSpec,
+    hardware_from_json,
+    hardware_preset,
+    hardware_to_json,
+    load_hardware,
+    save_hardware,
+)
+from lins_dtensor.planner.models import PlannerError, decoder_spec
+from lins_dtensor.planner.training import TrainingSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = json.loads((ROOT / "bench" / "results" / "cluster.json").read_text())
+
+MODEL = decoder_spec("small", n_layers=6, dim=256, ffn_dim=768, n_heads=8, vocab_size=2048)
+TRAINING = TrainingSpec(seq_len=128, param_bytes=4, activation_bytes=4, clip_grad_norm=True, overlap_fraction=0.0)
+CLUSTER = ClusterSpec(8, 4, hardware_preset("cpu-emulated"))
+PLANS = ["p=1,g=8,os=8", "p=1,g=4,os=4", "p=8,g=8,os=8", "p=1,g=1,os=4"]
+
+
+def synthetic(plans: list[str], with_comm: bool, efficiency: float = 0.3, bw_factor: float = 0.4) -> tuple[CalibrationRun, object]:
+    """Measurements that the cost model on a known 'true' hardware predicts."""
+    true = dataclasses.replace(CLUSTER.hardware, efficiency=efficiency, inter_bw=CLUSTER.hardware.inter_bw * bw_factor)
+    run = CalibrationRun(MODEL, CLUSTER, TRAINING, [])
+    rows = []
+    for plan in plans:
+        cost = predict(run, true, Measurement(plan, 1.0))
+        rows.append(Measurement(plan, cost.step_s, None, sum(cost.exposed_s.values()) if with_comm else None))
+    run.measurements = rows
+    return run, true
+
+
+@pytest.mark.parametrize("plans, with_comm", [(PLANS, False), (PLANS[:1], True)])
+def test_fit_recovers_known_efficiency_and_bandwidth(plans, with_comm):
+    run, true = synthetic(plans, with_comm)
+    cal = fit(run)
+    assert cal.fitted == ["efficiency", "inter_bw"]
+    assert cal.hardware.efficiency == pytest.approx(true.efficiency, rel=0.02)
+    assert cal.hardware.inter_bw == pytest.approx(true.inter_bw, rel=0.02)
+    for m, after in zip(run.measurements, cal.after):
+        assert after == pytest.approx(m.step_s, rel=0.01)
+
+
+def test_one_step_time_fits_efficiency_only():
+    """One number cannot tell slow compute from a slow network: the bandwidth stays."""
+    run, _ = synthetic(PLANS[:1], with_comm=False)
+    cal = fit(run)
+    assert cal.fitted == ["efficiency"]
+    assert cal.hardware.inter_bw == CLUSTER.hardware.inter_bw
+    assert "cannot separate" in cal.note
+    assert cal.after[0] == pytest.approx(run.measurements[0].step_s, rel=0.01)
+
+
+def test_hardware_file_round_trip(tmp_path):
+    for hw in HARDWARE_PRESETS.values():  # cpu-emulated has an infinite tree latency
+        path = tmp_path / f"{hw.name}.json"
+        save_hardware(hw, path)
+        assert json.loads(path.read_text())["format"] == "lins-hardware/1"
+        assert load_hardware(path) == hw
+
+
+def test_run_file_round_trip():
+    run, _ = synthetic(PLANS[:2], with_comm=True)
+    again = run_from_json(json.loads(json.dumps(run_to_json(run))))
+    assert again.model == run.model and again.cluster == run.cluster and again.training == run.training
+    assert again.measurements == run.measurements
+
+
+def test_hardware_file_rejects_bad_fields():
+    good = hardware_to_json(HARDWARE_PRESETS["h100"])
+    for bad, message in [
+        ({**good, "format": "x"}, "not a 'lins-hardware/1'"),
+        ({**good, "efficiency": 1.5}, "efficiency"),
+        ({**good, "inter_bw": -1}, "'inter_bw' = -1"),
+        ({**good, "inter_bw": "fast"}, "'inter_bw' = 'fast'"),
+        ({**good, "nics": 4}, "unknown field 'nics'"),
+        ({k: v for k, v in good.items() if k != "peak_flops"}, "missing field 'peak_flops'"),
+    ]:
+        with pytest.raises(PlannerError, match=message):
+            hardware_from_json(bad)
+
+
+def test_calibrate_from_tensorboard_dir(tmp_path):
+    """The torchtitan integration's files: lins_run.json next to the events and the
+    lins/step_s_measured and lins/comm/exposed_s/* scalars; the warm-up step is skipped."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run, true = synthetic(PLANS[:1], with_comm=True)
+    m = run.measurements[0]
+    logdir = tmp_path / "tb" / "20250101-0000"
+    writer = SummaryWriter(str(logdir))
+    for step in range(1, 6):
+        slow = 10.0 if step == 1 else 1.0
+        writer.add_scalar("lins/step_s_measured", m.step_s * slow, step)
+        writer.add_scalar("lins/comm/exposed_s/grads", m.comm_exposed_s * 0.75, step)
+        writer.add_scalar("lins/comm/exposed_s/optim", m.comm_exposed_s * 0.25, step)
+    writer.close()
+    description = run_to_json(dataclasses.replace(run, measurements=[], plan=m.plan))
+    (logdir / "lins_run.json").write_text(json.dumps(description))
+    loaded = load_run(tmp_path / "tb")
+    assert loaded.measurements[0].plan == m.plan
+    assert loaded.measurements[0].step_s == pytest.approx(m.step_s, rel=1e-6)
+    assert loaded.measurements[0].comm_exposed_s == pytest.approx(m.comm_exposed_s, rel=1e-6)
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", str(tmp_path / "tb"), "-o", str(out)]) == 0
+    assert load_hardware(out).inter_bw == pytest.approx(true.inter_bw, rel=0.02)
+
+
+def test_cli_calibrate_then_plan_with_the_hardware_file(tmp_path, capsys):
+    run, true = synthetic(PLANS, with_comm=False)
+    src = tmp_path / "runs.json"
+    src.write_text(json.dumps(run_to_json(run)))
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", str(src), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "efficiency 0.500 -> 0.30" in text and "--hardware-file" in text
+    shape = ["--model", "custom", "--layers", "6", "--dim", "256", "--ffn-dim", "768", "--heads", "8", "--vocab", "2048"]
+    assert main([*shape, "--seq-len", "128", "--gpus", "8", "--gpus-per-node", "4", "--hardware-file", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["hardware"] == "cpu-emulated (calibrated)"
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read calibration file"),
+    ("{", "is not JSON"),
+    ('{"format": "lins-hardware/1"}', "is not a 'lins-calibration/1'"),
+    ('{"format": "lins-calibration/1", "model": "llama_7b", "hardware": "h100", "gpus": 8, "training": {}}', "no measurements"),
+    ('{"format": "lins-calibration/1", "model": "llama_7b", "hardware": "h100", "gpus": 8, "training": {},'
+     ' "measurements": [{"plan": "p=3,g=3,os=3", "step_s": 1}]}', "measured plan 'p=3,g=3,os=3'"),
+    ('{"format": "lins-calibration/1", "model": "llama_7b", "hardware": "h100", "gpus": 8, "training": {},'
+     ' "measurements": [{"plan": "ddp", "step_s": -1}]}', "'step_s' = -1"),
+    ('{"format": "lins-calibration/1", "model": "llama_7b", "hardware": "tpu", "gpus": 8, "training": {}}', "unknown hardware preset"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "in.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["calibrate", str(path), "-o", str(tmp_path / "hw.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_cli_bad_hardware_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "hw.json").write_text('{"format": "lins-hardware/1", "name": "x"}')
+    assert main(["--model", "llama_7b", "--gpus", "8", "--hardware-file", str(tmp_path / "hw.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing field" in err, err
+    assert main(["calibrate", str(tmp_path / "none"), "-o", str(tmp_path / "h.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def bench_rows() -> dict[tuple[str, int], Measurement]:
+    """Each measured Lins plan of the committed emulated-cluster run, with Lins' own
+    measured exposed communication (the other strategies are other runtimes)."""
+    rows = {}
+    for s in BENCH["strategies"]:
+        if s["instance"].startswith("lins:"):
+            comm = sum(v["exposed"] for v in s["comm_time_s"].values())
+            rows[(s["plan"], s["microbatches"])] = Measurement(s["plan"], s["step_time_s"]["median"], s["microbatches"], comm)
+    return rows
+
+
+def test_bench_calibrate_from_one_plan_predicts_the_others():
+    """From the 'cpu-emulated' preset (what a CPU torchtitan run starts from), calibrated
+    on the ZeRO-2 plan the planner chose under the memory budget (all its traffic crosses
+    the nodes), predict the other Lins plans measured on the same cluster."""
+    meta = BENCH["meta"]
+    shape = meta["model"]
+    model = decoder_spec("bench", n_layers=shape["n_layers"], dim=shape["dim"], ffn_dim=shape["ffn_dim"],
+                         n_heads=shape["n_heads"], vocab_size=shape["vocab_size"])
+    training = TrainingSpec(seq_len=meta["seq_len"], micro_batch=meta["batch_size"], param_bytes=4, reduce_bytes=4,
+                            master_bytes=4, activation_bytes=4, clip_grad_norm=True,
+                            overlap_fraction=meta["overlap_fraction"], lins_overlap_fraction=meta["lins_overlap_fraction"])
+    cluster = ClusterSpec(meta["world_size"], meta["ranks_per_node"], hardware_preset("cpu-emulated"))
+    rows = bench_rows()
+    key = ("p=1,g=8,os=8", 1)
+    run = CalibrationRun(model, cluster, training, [rows.pop(key)])
+    cal = fit(run)
+    assert cal.fitted == ["efficiency", "inter_bw"]
+    assert cal.after[0] == pytest.approx(run.measurements[0].step_s, rel=0.03)
+    errors = {k: predict(run, cal.hardware, m).step_s / m.step_s - 1 for k, m in rows.items()}
+    preset = {k: predict(run, cluster.hardware, m).step_s / m.step_s - 1 for k, m in rows.items()}
+    print("\n".join(f"{p:<14} M={mb} calibrated {errors[(p, mb)]:+.1%} preset {preset[(p, mb)]:+.1%}" for p, mb in rows))
+    assert all(abs(errors[k]) < abs(preset[k]) for k in rows), errors
+    assert sum(map(abs, errors.values())) / len(errors) < 0.15, errors
+    # The link was rate-limited to 300 Mbit/s (37.5 MB/s); gloo over it reaches less.
+    assert cal.hardware.inter_bw < 37.5e6 < cluster.hardware.inter_bw
+    assert not math.isclose(cal.hardware.efficiency, cluster.hardware.efficiency)
