@@ -34,6 +34,7 @@ from lins_dtensor.planner.bandwidth import CollectiveTimer, alpha_beta_seconds
 from lins_dtensor.planner.cli import main, model_arg, plan_parser
 from lins_dtensor.planner.hardware import hardware_preset
 from lins_dtensor.planner.models import model_from_text
+from lins_dtensor.planner.sweep import plot_sweep
 from lins_dtensor.planner.profile import message_sizes, needed_shapes, parse_size, shape_groups
 from lins_dtensor.schedule import Op, UnitGeometry, UnitSchedule, state_memory_bytes, step_collectives
 
@@ -367,6 +368,60 @@ def test_bad_input_is_one_line_and_nonzero(argv, message, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and message in captured.err and "Traceback" not in captured.err
+
+
+# 7B on 8 nodes with little memory: P shards inside a node on a slow network, and the
+# choice changes between these bandwidths.
+SWEEP = ["--model", "llama_7b", "--gpus", "64", "--gpus-per-node", "8", "--seq-len", "1024", "--memory-budget-gib", "12",
+         "--sweep", "inter-node-gbit=1000,100"]
+
+
+def test_sweep_plans_at_each_value_and_marks_p_leaving_the_node(capsys, tmp_path):
+    png = tmp_path / "sweep.png"
+    assert main(SWEEP + ["--json", "--plot", str(png)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["sweep"] == {"parameter": "inter-node-gbit", "unit": "Gbit/s", "values": [100.0, 1000.0]}
+    assert [pt["value"] for pt in data["points"]] == [100.0, 1000.0]
+    for pt in data["points"]:
+        assert pt["p_leaves_node"] == (pt["chosen"]["params"] > 8) == (pt["chosen"]["split"]["params"][1] > 1)
+        assert len(pt["baselines"]) == 6
+        fitting = [b for b in pt["baselines"] if b.get("fits")]
+        assert pt["best_baseline"] == min(fitting, key=lambda b: b["step_time_s"])["name"]
+    low, high = data["points"]
+    assert low["chosen"]["step_time_s"] > high["chosen"]["step_time_s"]
+    turned = low["chosen"]["plan"] != high["chosen"]["plan"]
+    assert data["changes"] == ([{"from": 100.0, "to": 1000.0, "plan_from": low["chosen"]["plan"], "plan_to": high["chosen"]["plan"],
+                                 "p_leaves_node_from": low["p_leaves_node"], "p_leaves_node_to": high["p_leaves_node"]}] if turned else [])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(SWEEP) == 0
+    text = capsys.readouterr().out
+    leaving = [f"{pt['value']:g}" for pt in data["points"] if pt["p_leaves_node"]]
+    assert (f"P leaves the node (s_p > 8) at {', '.join(leaving)} Gbit/s" if leaving else "P stays within a node") in text
+    assert ("100 -> 1000 Gbit/s" in text) == turned and "Baselines, step s" in text and "ZeRO++ hpZ k=8" in text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--sweep", "seq-len=1,2"], "can sweep inter-node-gbit"),
+        (["--sweep", "inter-node-gbit=fast"], "must be numbers"),
+        (["--sweep", "inter-node-gbit"], "no values"),
+        (["--sweep", "inter-node-gbit=0,10"], "--inter-node-gbit must be > 0"),
+        (["--sweep", "inter-node-gbit=10", "--inter-node-gbit", "5"], "give one"),
+        (["--plot", "x.png"], "add --sweep"),
+        (["--sweep", "inter-node-gbit=10", "--bandwidth", "table.json"], "drop one"),
+    ],
+)
+def test_sweep_errors_are_one_line(extra, message, capsys):
+    assert main(["--model", "debugmodel", "--gpus", "4", "--hardware", "cpu-emulated", "--seq-len", "64", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_plot_without_matplotlib_is_one_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if not installed
+    with pytest.raises(PlannerError, match="--plot needs matplotlib"):
+        plot_sweep("inter-node-gbit", [], tmp_path / "x.png")
 
 
 def test_module_entry_point_and_no_traceback():

@@ -19,6 +19,7 @@ from lins_dtensor.planner.models import MODEL_PRESETS, ModelSpec, PlannerError, 
 from lins_dtensor.planner.profile import run_profile
 from lins_dtensor.planner.report import to_json, to_text
 from lins_dtensor.planner.search import search
+from lins_dtensor.planner.sweep import SWEEPABLE, SweepPoint, parse_sweep, plot_sweep, sweep_json, sweep_text
 from lins_dtensor.planner.training import TrainingSpec
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -67,6 +68,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-tolerance", type=float, default=0.02, help="near-ties within this fraction go to the plan with the least inter-node traffic")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--sweep", metavar="KEY=V1,V2,...", help=f"plan at each value of {', '.join(SWEEPABLE)} (e.g. inter-node-gbit=25,50,100,200,400) "
+                   "and show where the choice turns")
+    p.add_argument("--plot", metavar="FILE.png", help="with --sweep: plot step times against the swept value (needs matplotlib)")
     shape = p.add_argument_group("--model custom", "the decoder's shape (all but --kv-heads and --tied-embeddings required)")
     for flag, dest in _SHAPE_FLAGS.items():
         shape.add_argument(flag, dest=dest, type=_positive_int, default=None)
@@ -111,8 +115,33 @@ def build_inputs(args: argparse.Namespace) -> tuple:
     return model, cluster, training
 
 
+def run_sweep(args: argparse.Namespace) -> int:
+    """One search per swept value, all else as given."""
+    key, values = parse_sweep(args.sweep)
+    dest = SWEEPABLE[key][0]
+    if getattr(args, dest) is not None:
+        raise PlannerError(f"--sweep {key} and --{key} both set it; give one")
+    if args.bandwidth:
+        raise PlannerError(f"--sweep {key} varies the alpha-beta model, which a --bandwidth table replaces; drop one")
+    points = []
+    for value in values:
+        model, cluster, training = build_inputs(argparse.Namespace(**{**vars(args), dest: value}))
+        points.append(SweepPoint(value, search(model, cluster, training, tie_tolerance=args.tie_tolerance)))
+    if args.plot:
+        plot_sweep(key, points, args.plot)
+    if args.json:
+        print(json.dumps(sweep_json(key, points)))
+    else:
+        print(sweep_text(key, points) + (f"\nplot: {args.plot}" if args.plot else ""))
+    return 0
+
+
 def run_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
+    if args.sweep:
+        return run_sweep(args)
+    if args.plot:
+        raise PlannerError("--plot draws a sweep; add --sweep KEY=V1,V2,...")
     model, cluster, training = build_inputs(args)
     explanation = search(model, cluster, training, tie_tolerance=args.tie_tolerance)
     if args.json:
