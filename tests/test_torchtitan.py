@@ -11,9 +11,11 @@ losses), and a stopped worker ending the job by the train timeout.
 
 from __future__ import annotations
 
+import glob
 import re
 import shutil
 import signal
+import statistics
 from pathlib import Path
 
 import pytest
@@ -88,7 +90,7 @@ def test_settings_lins_cannot_run_with_are_refused_in_one_line(section, key, val
 @pytest.mark.timeout(660)
 def test_end_to_end_loss_falls_and_tensorboard_has_lins_scalars(tmp_path, assets):
     dump = tmp_path / "run"
-    check(train(base_args(dump, assets, 5, "--lins.plan", "p=2,g=4,os=4", "--activation_checkpoint.mode", "none")))
+    proc = check(train(base_args(dump, assets, 5, "--lins.plan", "p=2,g=4,os=4", "--activation_checkpoint.mode", "none")))
     loss = losses(dump)
     assert sorted(loss) == [1, 2, 3, 4, 5]
     assert loss[5] < loss[1] - 0.1, loss
@@ -96,8 +98,15 @@ def test_end_to_end_loss_falls_and_tensorboard_has_lins_scalars(tmp_path, assets
     lins = {t for t in tags if t.startswith("lins/")}
     # p=2 < g=4 = os: params gathered over pairs, grads reduced on to 4 ranks.
     for tag in ("lins/comm_seconds", "lins/memory/params", "lins/memory/grads", "lins/memory/optim",
-                "lins/step_seconds/measured"):
+                "lins/step_s_measured", "lins/step_s_predicted"):
         assert tag in lins, sorted(lins)
+    # Rank 0 warns once, after steps 2-4, iff their median is >25 % off the prediction,
+    # and leaves the run's description for `lins-plan calibrate <tb dir>`.
+    measured = statistics.median(tags["lins/step_s_measured"][s] for s in (2, 3, 4))
+    off = abs(measured / tags["lins/step_s_predicted"][4] - 1) > 0.25
+    log = proc.stdout + proc.stderr
+    assert log.count("lins-plan calibrate") == int(off), (measured, tags["lins/step_s_predicted"][4])
+    assert len(glob.glob(str(dump / "tb" / "*" / "lins_run.json"))) == 1
     assert any(t.startswith("lins/bytes/params/") for t in lins), sorted(lins)
     assert any(t.startswith("lins/bytes/grads/") for t in lins), sorted(lins)
     assert any(t.endswith("/inter") for t in lins if t.startswith("lins/bytes/")), sorted(lins)
