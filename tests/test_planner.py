@@ -6,10 +6,12 @@ import dataclasses
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,8 +36,9 @@ from lins_dtensor.planner.bandwidth import CollectiveTimer, alpha_beta_seconds
 from lins_dtensor.planner.cli import main, model_arg, plan_parser
 from lins_dtensor.planner.hardware import hardware_preset
 from lins_dtensor.planner.models import model_from_text
-from lins_dtensor.planner.sweep import plot_sweep
 from lins_dtensor.planner.profile import message_sizes, needed_shapes, parse_size, shape_groups
+from lins_dtensor.planner.report import FORMAT
+from lins_dtensor.planner.sweep import plot_sweep
 from lins_dtensor.schedule import Op, UnitGeometry, UnitSchedule, state_memory_bytes, step_collectives
 
 PAPER = dict(seq_len=4096, micro_batch=1, global_batch_tokens=4 * 1024 * 1024)
@@ -45,6 +48,68 @@ def _units(model: ModelSpec, plan: LinsPlan) -> list[UnitSchedule]:
     """Built here independently of the planner: rank coordinate 0, one unit per shape list."""
     coords = dict.fromkeys(MESH_DIMS, 0)
     return [UnitSchedule(UnitGeometry.build([torch.Size(s) for s in shapes], plan, coords)) for shapes in model.unit_shapes()]
+
+
+SCHEMA_DOC = Path(__file__).resolve().parent.parent / "docs" / "planner-json.md"
+_SCALAR_TYPES = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
+def _json_schema() -> dict[str, dict[str, tuple[str, bool]]]:
+    """docs/planner-json.md's tables: object name -> field -> (type, optional)."""
+    tables: dict[str, dict[str, tuple[str, bool]]] = {}
+    current: dict[str, tuple[str, bool]] | None = None
+    for line in SCHEMA_DOC.read_text().splitlines():
+        if line.startswith("#"):
+            named = re.match(r"#+ `(\w+)`", line)
+            current = tables.setdefault(named.group(1), {}) if named else None
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if current is None or len(cells) != 4 or cells[0] in ("field", "---"):
+            continue
+        typ, optional = cells[1].removesuffix(", optional"), cells[1].endswith(", optional")
+        spread = re.fullmatch(r"\(every field of `(\w+)`\)", cells[0])
+        if spread:
+            current.update({k: (t, optional) for k, (t, _) in tables[spread.group(1)].items()})
+        else:
+            current[cells[0].strip("`")] = (typ, optional)
+    return tables
+
+
+def _union(typ: str) -> list[str]:
+    """``A | list[B | C]`` -> ["A", "list[B | C]"]."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(typ):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "|" and depth == 0:
+            parts.append(typ[start:i].strip())
+            start = i + 1
+    return [*parts, typ[start:].strip()]
+
+
+def _check_json(value, typ: str, schema: dict, where: str) -> None:
+    """Assert ``value`` is of the documented type: objects have exactly the documented keys."""
+    for alt in _union(typ):
+        if alt in _SCALAR_TYPES and _SCALAR_TYPES[alt](value):
+            return
+        if alt.startswith("list[") and isinstance(value, list):
+            for i, item in enumerate(value):
+                _check_json(item, alt[5:-1], schema, f"{where}[{i}]")
+            return
+        if alt in schema and isinstance(value, dict):
+            fields = schema[alt]
+            assert set(value) <= set(fields), f"{where}: not in docs/planner-json.md: {sorted(set(value) - set(fields))}"
+            missing = [k for k, (_, optional) in fields.items() if not optional and k not in value]
+            assert not missing, f"{where}: documented but not emitted: {missing}"
+            for k, v in value.items():
+                _check_json(v, fields[k][0], schema, f"{where}.{k}")
+            return
+    raise AssertionError(f"{where} = {value!r} is not {typ}")
 
 
 # ----- models ----------------------------------------------------------------------------
@@ -309,6 +374,7 @@ def test_profiler_under_spawn_feeds_the_planner(tmp_path):
             for p in ctx.processes:
                 p.kill()
             pytest.fail("profiler did not finish in 120 s")
+    _check_json(json.loads(Path(out).read_text()), "bandwidth_table", _json_schema(), "profile")
     table = BandwidthTable.load(out)
     assert set(table.entries) == set(needed_shapes(2, 1))
     assert all(len(pts) == 2 and all(t > 0 for _, t in pts) for pts in table.entries.values())
@@ -422,6 +488,25 @@ def test_plot_without_matplotlib_is_one_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if not installed
     with pytest.raises(PlannerError, match="--plot needs matplotlib"):
         plot_sweep("inter-node-gbit", [], tmp_path / "x.png")
+
+
+def test_json_outputs_match_the_documented_schema(tmp_path, capsys):
+    schema = _json_schema()
+    assert {"plan_output", "sweep_output", "bandwidth_table", "plan", "baseline"} <= set(schema)
+    assert f'`"{FORMAT}"`' in SCHEMA_DOC.read_text()
+    table = tmp_path / "bw.json"  # one measured shape: the rest fall back to alpha-beta
+    BandwidthTable(8, {("all_gather", 8, 1): [(1e6, 1e-4), (1e8, 1e-2)]}, {"world_size": 64, "backend": "nccl"}).save(table)
+    plan = ["--model", "llama_13b", "--gpus", "64", "--gpus-per-node", "8", "--top", "3", "--json"]
+    for extra in ([], ["--bandwidth", str(table)]):
+        assert main(plan + extra) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert (data["format"], data["mode"]) == (FORMAT, "plan")
+        _check_json(data, "plan_output", schema, "plan")
+    assert data["table_fallbacks"] and data["dropped"]["closest"] is not None
+    assert main(["--model", "debugmodel", "--gpus", "4", "--hardware", "cpu-emulated", "--seq-len", "64", "--sweep", "inter-node-gbit=0.1,10", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["format"], data["mode"]) == (FORMAT, "sweep")
+    _check_json(data, "sweep_output", schema, "sweep")
 
 
 def test_module_entry_point_and_no_traceback():

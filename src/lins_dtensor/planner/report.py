@@ -1,10 +1,17 @@
-"""Turn an :class:`Explanation` into the table people read or the JSON tools read."""
+"""Turn an :class:`Explanation` into the table people read or the JSON tools read.
+
+The JSON is documented field by field in docs/planner-json.md (a test checks every
+emitted key against it); ``FORMAT`` changes when a field is renamed, removed or
+changes meaning.
+"""
 
 from __future__ import annotations
 
 from lins_dtensor.planner.cost import PlanCost
 from lins_dtensor.planner.memory import GiB
 from lins_dtensor.planner.search import Explanation
+
+FORMAT = "lins-plan/1"
 
 
 def plan_record(cost: PlanCost, ranks_per_node: int) -> dict:
@@ -70,6 +77,8 @@ def setting_record(ex: Explanation) -> dict:
 def to_json(ex: Explanation, top: int = 10) -> dict:
     rpn = ex.cluster.gpus_per_node
     return {
+        "format": FORMAT,
+        "mode": "plan",
         **setting_record(ex),
         "chosen": plan_record(ex.cost, rpn),
         "reason": ex.reason,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lins_dtensor.planner.memory import GiB
 from lins_dtensor.planner.models import PlannerError
-from lins_dtensor.planner.report import baseline_records, plan_record, setting_record, setting_text, split_text
+from lins_dtensor.planner.report import FORMAT, baseline_records, plan_record, setting_record, setting_text, split_text
 from lins_dtensor.planner.search import Baseline, Explanation
 
 # --sweep KEY -> (the lins-plan option it sets, unit, axis label)
@@ -129,6 +129,8 @@ def sweep_json(key: str, points: list[SweepPoint]) -> dict:
     _, unit, _ = SWEEPABLE[key]
     first = points[0].explanation
     return {
+        "format": FORMAT,
+        "mode": "sweep",
         "sweep": {"parameter": key, "unit": unit, "values": [pt.value for pt in points]},
         **setting_record(first),
         "points": [
