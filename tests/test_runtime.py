@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run
+from distributed import run as run_ranks
 from lins_dtensor import LinsPlan, valid_plans
 from scenarios import masters_from_initialisation
 
@@ -139,7 +139,7 @@ def test_masters_hold_the_full_precision_initial_values():
     """bf16 parameters of an fp32 model: the masters start from the fp32 values the model
     was built with or initialised to after meta-device sharding (torchtitan's way), not
     from their bf16 rounding; P holds that rounding. Replicated and FSDP2-sharded P."""
-    results = run(masters_from_initialisation, 4, ["p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"])
+    results = run_ranks(masters_from_initialisation, 4, ["p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"])
     assert len(results) == 6
     for result in results:
         for rank, mine in enumerate(result["per_rank"]):
