@@ -35,7 +35,7 @@ from lins_dtensor.planner import (
 from lins_dtensor.planner.bandwidth import CollectiveTimer, alpha_beta_seconds
 from lins_dtensor.planner.cli import main, model_arg, plan_parser
 from lins_dtensor.planner.hardware import hardware_preset
-from lins_dtensor.planner.models import model_from_text
+from lins_dtensor.planner.models import model_from_text, tensor_parallel_local
 from lins_dtensor.planner.profile import message_sizes, needed_shapes, parse_size, shape_groups
 from lins_dtensor.planner.report import FORMAT
 from lins_dtensor.planner.sweep import plot_sweep
@@ -298,6 +298,23 @@ def test_selective_activation_checkpointing_lies_between_none_and_full():
         TrainingSpec(activation_checkpointing="sometimes")
 
 
+def test_tensor_parallel_degree_divides_states_and_adds_exposed_activation_collectives():
+    model, training = model_preset("llama3_8b"), TrainingSpec(seq_len=8192, global_batch_tokens=16 * 8192)
+    local = tensor_parallel_local(model, 4)
+    norms = (2 * model.n_layers + 1) * model.dim  # replicated under TP
+    assert local.num_params == (model.num_params - norms) // 4 + norms
+    plain = evaluate(LinsPlan(1, 1, 1), model, ClusterSpec.preset("h100", 16), training)
+    tp = evaluate(LinsPlan(1, 1, 1), model, ClusterSpec.preset("h100", 16, tp=4), training)
+    assert tp.microbatches == 4 * plain.microbatches  # same global batch, 4x fewer data-parallel ranks
+    assert tp.memory.params == pytest.approx(plain.memory.params / 4, rel=0.01)
+    assert plain.comm_s["forward"] == 0 < tp.comm_s["forward"] == tp.exposed_s["forward"]
+    assert tp.tokens_per_s * tp.step_s == pytest.approx(plain.tokens_per_s * plain.step_s)  # tokens per step
+    with pytest.raises(PlannerError, match="tp=3 must divide gpus_per_node=8: tensor parallelism stays inside a node"):
+        ClusterSpec.preset("h100", 16, tp=3)
+    with pytest.raises(PlannerError, match="tp=16 must divide n_kv_heads=8"):
+        tensor_parallel_local(model, 16)
+
+
 def test_activation_checkpointing_and_overlap_switches():
     cluster = ClusterSpec.preset("a800", 64)
     base = TrainingSpec(**PAPER)
@@ -503,6 +520,10 @@ def test_json_outputs_match_the_documented_schema(tmp_path, capsys):
         assert (data["format"], data["mode"]) == (FORMAT, "plan")
         _check_json(data, "plan_output", schema, "plan")
     assert data["table_fallbacks"] and data["dropped"]["closest"] is not None
+    assert main(["--model", "llama3_8b", "--gpus", "16", "--hardware", "h100", "--seq-len", "8192", "--tp", "auto", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    _check_json(data, "plan_output", schema, "plan --tp auto")
+    assert [t["tp"] for t in data["tp_search"]] == [1, 2, 4, 8] and data["cluster"]["tp"] in (1, 2, 4, 8)
     assert main(["--model", "debugmodel", "--gpus", "4", "--hardware", "cpu-emulated", "--seq-len", "64", "--sweep", "inter-node-gbit=0.1,10", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["format"], data["mode"]) == (FORMAT, "sweep")

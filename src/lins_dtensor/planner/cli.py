@@ -18,7 +18,7 @@ from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, GiB, ha
 from lins_dtensor.planner.models import MODEL_PRESETS, ModelSpec, PlannerError, decoder_spec, model_from_text
 from lins_dtensor.planner.profile import run_profile
 from lins_dtensor.planner.report import to_json, to_text
-from lins_dtensor.planner.search import search
+from lins_dtensor.planner.search import Explanation, search
 from lins_dtensor.planner.sweep import SWEEPABLE, SweepPoint, parse_sweep, plot_sweep, sweep_json, sweep_text
 from lins_dtensor.planner.training import TrainingSpec
 
@@ -49,6 +49,8 @@ def plan_parser() -> argparse.ArgumentParser:
                    "(llama3:8B; needs torchtitan), a Hugging Face LlamaForCausalLM config.json, or custom with the shape flags")
     p.add_argument("--gpus", type=int, required=True, help="total ranks")
     p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: the hardware's)")
+    p.add_argument("--tp", default="1", help="tensor-parallel degree inside the node (divides --gpus-per-node), or 'auto': "
+                   "try every divisor of the node size and keep the fastest")
     p.add_argument("--hardware", default="a800", help=f"preset: {', '.join(HARDWARE_PRESETS)}")
     p.add_argument("--hardware-file", metavar="FILE", help="hardware from 'lins-plan calibrate', instead of --hardware's preset")
     p.add_argument("--seq-len", type=int, default=4096)
@@ -105,7 +107,7 @@ def build_inputs(args: argparse.Namespace) -> tuple:
             raise PlannerError("--memory-budget-gib must be > 0")
         budget = args.memory_budget_gib * GiB
     rpn = args.gpus_per_node if args.gpus_per_node is not None else min(hw.ranks_per_node, max(args.gpus, 1))
-    cluster = ClusterSpec(args.gpus, rpn, hw, table, budget)
+    cluster = ClusterSpec(args.gpus, rpn, hw, table, budget, _tp_degree(args.tp))
     training = TrainingSpec(
         seq_len=args.seq_len, micro_batch=args.micro_batch, global_batch_tokens=args.global_batch_tokens,
         activation_checkpointing=args.activation_checkpointing, reduce_bytes=_DTYPE_BYTES[args.reduce_dtype],
@@ -113,6 +115,47 @@ def build_inputs(args: argparse.Namespace) -> tuple:
         overlap_step=not args.gathers_exposed, reduce_in_backward=not args.reduce_at_step,
     )
     return model, cluster, training
+
+
+def _tp_degree(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise PlannerError(f"--tp {text}: must be a positive integer or 'auto'")
+    return int(text)
+
+
+def search_tp(args: argparse.Namespace) -> tuple[Explanation, list[dict]]:
+    """``--tp auto``: plan with every tensor-parallel degree that divides the node size
+    (and the model's heads, kv heads, FFN and vocabulary), keep the fastest that fits.
+    The global batch stays the same for every degree (default: one micro-batch per GPU),
+    so a TP group of k GPUs runs k micro-batches per step where one GPU ran one."""
+    rpn = build_inputs(argparse.Namespace(**{**vars(args), "tp": "1"}))[1].gpus_per_node
+    if args.global_batch_tokens is None:
+        args = argparse.Namespace(**{**vars(args), "global_batch_tokens": args.gpus * args.micro_batch * args.seq_len})
+    tried: list[dict] = []
+    best: Explanation | None = None
+    for tp in (k for k in range(1, rpn + 1) if rpn % k == 0):
+        try:
+            model, cluster, training = build_inputs(argparse.Namespace(**{**vars(args), "tp": str(tp)}))
+            ex = search(model, cluster, training, tie_tolerance=args.tie_tolerance)
+        except (PlannerError, LinsPlanError) as exc:
+            tried.append({"tp": tp, "plan": None, "step_s": None, "note": str(exc)})
+            continue
+        tried.append({"tp": tp, "plan": str(ex.plan), "step_s": ex.cost.step_s, "note": ""})
+        if best is None or ex.cost.step_s < best.cost.step_s:
+            best = ex
+    if best is None:
+        raise PlannerError(f"no tensor-parallel degree fits: {tried[-1]['note']}")
+    return best, tried
+
+
+def tp_search_text(best: Explanation, tried: list[dict]) -> str:
+    lines = [f"TP degree (--tp auto): every divisor of the node size, each with its best plan, "
+             f"global batch {best.training.global_batch_tokens} tokens"]
+    for t in tried:
+        mark = "  CHOSEN" if t["tp"] == best.cluster.tp else "        "
+        body = f"{t['plan']:<24} {t['step_s']:.3f} s" if t["plan"] else t["note"]
+        lines.append(f"{mark} tp={t['tp']:<3} {body}")
+    return "\n".join(lines) + "\n"
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -142,12 +185,15 @@ def run_plan(argv: list[str]) -> int:
         return run_sweep(args)
     if args.plot:
         raise PlannerError("--plot draws a sweep; add --sweep KEY=V1,V2,...")
-    model, cluster, training = build_inputs(args)
-    explanation = search(model, cluster, training, tie_tolerance=args.tie_tolerance)
-    if args.json:
-        print(json.dumps(to_json(explanation, args.top)))
+    if args.tp == "auto":
+        explanation, tried = search_tp(args)
     else:
-        print(to_text(explanation, args.top))
+        model, cluster, training = build_inputs(args)
+        explanation, tried = search(model, cluster, training, tie_tolerance=args.tie_tolerance), []
+    if args.json:
+        print(json.dumps({**to_json(explanation, args.top), **({"tp_search": tried} if tried else {})}))
+    else:
+        print((tp_search_text(explanation, tried) if tried else "") + to_text(explanation, args.top))
     return 0
 
 

@@ -30,13 +30,14 @@ from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner.bandwidth import CollectiveTimer
 from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import MemoryBreakdown, memory_breakdown, rank0_units
-from lins_dtensor.planner.models import ModelSpec
+from lins_dtensor.planner.models import ModelSpec, tensor_parallel_local
 from lins_dtensor.planner.training import TrainingSpec
 from lins_dtensor.schedule import (
     ALL_SPECS,
     GRAD_NORM_ALL_REDUCE,
     GRAD_SHARD_REDUCE_SCATTER,
     CollectiveRecord,
+    Op,
     Phase,
     local_copy_bytes,
     step_collectives,
@@ -123,13 +124,13 @@ def evaluate(
     step reductions in the last backward (stock HSDP's all-reduce) instead of Lins."""
     timer = timer or CollectiveTimer(cluster.hardware, cluster.gpus_per_node, cluster.bandwidth)  # type: ignore[arg-type]
     hw = cluster.hardware
-    m = training.microbatches(cluster.gpus)
-    units = rank0_units(model, plan)
-    memory = memory_breakdown(model, plan, training, units)
+    m = training.microbatches(cluster.dp_ranks)
+    units = rank0_units(tensor_parallel_local(model, cluster.tp), plan)
+    memory = memory_breakdown(model, plan, training, units, cluster.tp)
 
     def collectives(of_units, microbatches: int, norm: bool) -> list[CollectiveRecord]:
         return step_collectives(
-            plan, of_units, world_size=cluster.gpus, ranks_per_node=cluster.gpus_per_node, microbatches=microbatches,
+            plan, of_units, world_size=cluster.dp_ranks, ranks_per_node=cluster.dp_per_node, microbatches=microbatches,
             param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, clip_grad_norm=norm,
         )
 
@@ -152,8 +153,8 @@ def evaluate(
 
     # Compute: forward is a third of the model FLOPs, backward two thirds, plus the
     # share of the forward that activation checkpointing recomputes.
-    tokens = training.microbatch_tokens * m
-    flops = model_flops_per_token(model, training.seq_len) * tokens
+    tokens = training.microbatch_tokens * m  # per data-parallel rank (a TP group shares them)
+    flops = model_flops_per_token(model, training.seq_len) * tokens / cluster.tp  # per GPU
     rate = hw.peak_flops * hw.efficiency
     forward = flops / 3 / rate
     backward = 2 * flops / 3 / rate + training.recomputed_forward * forward
@@ -172,9 +173,25 @@ def evaluate(
     compute["backward"] += 2 * hooks / 3
 
     exposed = _exposed(records, record_s, record_phase, issuer, compute, m, training, _first_unit_chains(collectives, seconds, units))
+    for phase, seconds_tp in tensor_parallel_seconds(model, cluster, training, timer, m).items():
+        comm[phase] += seconds_tp
+        exposed[phase] += seconds_tp
     step_s = sum(compute.values()) + sum(exposed.values())
     mfu = flops / (step_s * hw.peak_flops)
-    return PlanCost(plan, m, memory, cluster.memory_budget, compute, comm, exposed, step_s, mfu, tokens * cluster.gpus / step_s, records, record_s, record_phase)
+    return PlanCost(plan, m, memory, cluster.memory_budget, compute, comm, exposed, step_s, mfu, tokens * cluster.dp_ranks / step_s, records, record_s, record_phase)
+
+
+def tensor_parallel_seconds(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, timer: CollectiveTimer, m: int) -> dict[str, float]:
+    """Per step, the activation collectives of tensor + sequence parallelism inside the
+    node: each block gathers its input and reduce-scatters its output around attention
+    and around the MLP, in forward and mirrored in backward (plus the recomputed share of
+    the forward). They sit on the critical path (no asynchronous TP): all exposed."""
+    if cluster.tp == 1:
+        return {}
+    message = training.microbatch_tokens * model.dim * training.activation_bytes
+    pair = sum(timer.seconds(op.value, cluster.tp, 1, message) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
+    forward = 2 * pair * model.n_layers * m
+    return {"forward": forward, "backward": forward * (1 + training.recomputed_forward)}
 
 
 def _first_unit_chains(collectives, seconds, units) -> tuple[float, float]:

@@ -102,7 +102,9 @@ class ClusterSpec:
 
     ``bandwidth`` is a measured :class:`~lins_dtensor.planner.bandwidth.BandwidthTable`
     (or None: the alpha-beta model of ``hardware``); ``memory_budget_bytes`` overrides
-    the device memory.
+    the device memory. ``tp``: tensor-parallel degree, groups of ``tp`` consecutive
+    ranks inside a node; the Lins plan then factors the ``dp_ranks`` data-parallel
+    ranks, ``dp_per_node`` of them in each node.
     """
 
     gpus: int
@@ -110,16 +112,28 @@ class ClusterSpec:
     hardware: HardwareSpec
     bandwidth: object | None = None
     memory_budget_bytes: float | None = None
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise PlannerError(f"gpus={self.gpus} and gpus_per_node={self.gpus_per_node} must be >= 1")
         if self.gpus % self.gpus_per_node:
             raise PlannerError(f"gpus={self.gpus} is not divisible by gpus_per_node={self.gpus_per_node}")
+        if self.tp < 1 or self.gpus_per_node % self.tp:
+            raise PlannerError(f"tp={self.tp} must divide gpus_per_node={self.gpus_per_node}: tensor parallelism stays inside a node")
 
     @property
     def nodes(self) -> int:
         return self.gpus // self.gpus_per_node
+
+    @property
+    def dp_ranks(self) -> int:
+        """Data-parallel ranks: what a Lins plan's factors count."""
+        return self.gpus // self.tp
+
+    @property
+    def dp_per_node(self) -> int:
+        return self.gpus_per_node // self.tp
 
     @property
     def memory_budget(self) -> float:

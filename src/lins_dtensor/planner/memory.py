@@ -16,7 +16,7 @@ import torch
 
 from lins_dtensor.mesh import MESH_DIMS
 from lins_dtensor.plan import LinsPlan
-from lins_dtensor.planner.models import ModelSpec, shapes_numel
+from lins_dtensor.planner.models import ModelSpec, shapes_numel, tensor_parallel_local
 from lins_dtensor.planner.training import TrainingSpec
 from lins_dtensor.schedule import UnitGeometry, UnitSchedule, chain_buffer_bytes, default_max_inflight_bytes, state_memory_bytes
 
@@ -85,8 +85,12 @@ class MemoryBreakdown:
         return out
 
 
-def memory_breakdown(model: ModelSpec, plan: LinsPlan, training: TrainingSpec, units: list[UnitSchedule] | None = None) -> MemoryBreakdown:
-    units = rank0_units(model, plan) if units is None else units
+def memory_breakdown(
+    model: ModelSpec, plan: LinsPlan, training: TrainingSpec, units: list[UnitSchedule] | None = None, tp: int = 1,
+) -> MemoryBreakdown:
+    """``tp``: each rank holds its tensor-parallel slice of the parameters and, with
+    sequence parallelism, 1/tp of the activations."""
+    units = rank0_units(tensor_parallel_local(model, tp), plan) if units is None else units
     pb, rb = training.param_bytes, training.reduce_bytes
     states = state_memory_bytes(units, param_bytes=pb, reduce_bytes=rb, master_bytes=training.master_bytes, optim_states=training.optim_states)
     biggest = max((u.geometry.params.total_numel for u in units), default=0)
@@ -115,4 +119,4 @@ def memory_breakdown(model: ModelSpec, plan: LinsPlan, training: TrainingSpec, u
     step = os_grads + in_flight
     if rb != training.master_bytes:  # the masters' gradients, cast from the reduce dtype
         step += sum(u.geometry.optim.chunk_numel for u in units) * training.master_bytes
-    return MemoryBreakdown(states["params"], states["grads"], states["optim"], activation_bytes(model, training), buffers, step)
+    return MemoryBreakdown(states["params"], states["grads"], states["optim"], activation_bytes(model, training) // tp, buffers, step)

@@ -93,6 +93,24 @@ class ModelSpec:
         return self.num_params - embedding
 
 
+def tensor_parallel_local(model: ModelSpec, tp: int) -> ModelSpec:
+    """The parameter shapes one of ``tp`` tensor-parallel ranks holds under torchtitan's
+    LLaMA plan: wq, wk, wv, w1, w3 and the output projection split by rows (colwise),
+    the embedding by vocabulary rows, wo and w2 by columns (rowwise), norms replicated."""
+    if tp == 1:
+        return model
+    if model.units is not None:
+        raise PlannerError(f"{model.name}: tp={tp} needs the model's architecture numbers, not explicit unit shapes")
+    for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_dim", model.ffn_dim), ("vocab_size", model.vocab_size)):
+        if value % tp:
+            raise PlannerError(f"{model.name}: tp={tp} must divide {key}={value}")
+    d, kv, f, v = model.dim, model.kv_heads * model.head_dim, model.ffn_dim, model.vocab_size
+    block = ((d // tp, d), (kv // tp, d), (kv // tp, d), (d, d // tp), (f // tp, d), (d, f // tp), (f // tp, d), (d,), (d,))
+    output = [] if model.tied_embeddings else [((v // tp, d),)]
+    units = (((v // tp, d),), *[block] * model.n_layers, ((d,),), *output)
+    return dataclasses.replace(model, units=units, embedding_params=(v // tp) * d)
+
+
 def _check_positive(where: str, key: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise PlannerError(f"{where}: {key} must be a positive integer, got {value!r}")

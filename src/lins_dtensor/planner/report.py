@@ -44,7 +44,7 @@ def baseline_records(ex: Explanation) -> list[dict]:
     for b in ex.baselines:
         entry = {"name": b.name, "note": b.note}
         if b.cost is not None:
-            entry.update(plan_record(b.cost, ex.cluster.gpus_per_node))
+            entry.update(plan_record(b.cost, ex.cluster.dp_per_node))
             entry["speedup_of_chosen"] = round(b.cost.step_s / ex.cost.step_s, 4)
         out.append(entry)
     return out
@@ -59,7 +59,7 @@ def setting_record(ex: Explanation) -> dict:
             "kv_heads": m.kv_heads, "ffn_dim": m.ffn_dim, "vocab_size": m.vocab_size, "tied_embeddings": m.tied_embeddings,
         },
         "cluster": {
-            "gpus": ex.cluster.gpus, "gpus_per_node": ex.cluster.gpus_per_node, "nodes": ex.cluster.nodes,
+            "gpus": ex.cluster.gpus, "gpus_per_node": ex.cluster.gpus_per_node, "nodes": ex.cluster.nodes, "tp": ex.cluster.tp,
             "hardware": ex.cluster.hardware.name, "memory_budget_gib": round(ex.cluster.memory_budget / GiB, 3),
             "bandwidth": "table" if ex.cluster.bandwidth is not None else "alpha-beta",
         },
@@ -75,7 +75,7 @@ def setting_record(ex: Explanation) -> dict:
 
 
 def to_json(ex: Explanation, top: int = 10) -> dict:
-    rpn = ex.cluster.gpus_per_node
+    rpn = ex.cluster.dp_per_node
     return {
         "format": FORMAT,
         "mode": "plan",
@@ -114,7 +114,9 @@ def setting_text(ex: Explanation) -> str:
     t = ex.training
     return (
         f"{ex.model.name} ({ex.model.num_params / 1e9:.2f} B params) on {ex.cluster.gpus} x "
-        f"{ex.cluster.hardware.name} ({ex.cluster.nodes} nodes x {ex.cluster.gpus_per_node}), seq {t.seq_len}, micro-batch {t.micro_batch}, "
+        f"{ex.cluster.hardware.name} ({ex.cluster.nodes} nodes x {ex.cluster.gpus_per_node})"
+        + (f", TP {ex.cluster.tp} inside the node: the plan factors {ex.cluster.dp_ranks} data-parallel ranks" if ex.cluster.tp > 1 else "")
+        + f", seq {t.seq_len}, micro-batch {t.micro_batch}, "
         f"M={ex.microbatches} micro-batches/step"
         + ("" if t.activation_checkpointing == "none" else f", {t.activation_checkpointing} activation checkpointing")
         + (", overlap off" if not t.overlap else f", overlap FSDP2 {t.overlap_fraction:g} / Lins {t.lins_overlap_fraction:g}")
@@ -124,7 +126,7 @@ def setting_text(ex: Explanation) -> str:
 
 
 def to_text(ex: Explanation, top: int = 10) -> str:
-    rpn = ex.cluster.gpus_per_node
+    rpn = ex.cluster.dp_per_node
     win = ex.cost
     lines = [
         f"Lins planner: {setting_text(ex)}",

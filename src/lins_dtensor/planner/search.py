@@ -138,13 +138,13 @@ def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *,
     """Cost every valid plan (hpZ variants included); raise PlannerError if none fits."""
     spec = resolve_model(model, **module_hints)
     training = training or TrainingSpec()
-    training.microbatches(cluster.gpus)  # fail early on an impossible batch
+    training.microbatches(cluster.dp_ranks)  # fail early on an impossible batch
     timer = CollectiveTimer(cluster.hardware, cluster.gpus_per_node, cluster.bandwidth)  # type: ignore[arg-type]
     costs: dict[LinsPlan, PlanCost] = {}
-    for plan in valid_plans(cluster.gpus, cluster.gpus_per_node, with_hpz=True):
+    for plan in valid_plans(cluster.dp_ranks, cluster.dp_per_node, with_hpz=True):
         costs[plan] = evaluate(plan, spec, cluster, training, timer)
     baselines = []
-    for name, plan, note in baseline_plans(cluster.gpus, cluster.gpus_per_node):
+    for name, plan, note in baseline_plans(cluster.dp_ranks, cluster.dp_per_node):
         cost = None if plan is None else costs.get(plan) or evaluate(plan, spec, cluster, training, timer)
         baselines.append(Baseline(name, plan, cost, note))
     ranked = sorted((c for c in costs.values() if c.fits), key=_sort_key)

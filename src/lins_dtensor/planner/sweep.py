@@ -2,7 +2,7 @@
 
 The best sharding depends on the network: when bandwidth between nodes is scarce it can
 pay to shard P (s_p) wider, or to keep it replicated and shard only G and OS, and P
-leaving the node (s_p > gpus_per_node) puts its gathers on the slow links every
+leaving the node (s_p > data-parallel ranks per node) puts its gathers on the slow links every
 micro-batch. A sweep prints the chosen plan and the baselines at each value and marks
 those turns. The callers (``lins-plan``) build one :class:`Explanation` per value.
 """
@@ -46,7 +46,7 @@ class SweepPoint:
 
     @property
     def p_leaves_node(self) -> bool:
-        return self.explanation.plan.params > self.explanation.cluster.gpus_per_node
+        return self.explanation.plan.params > self.explanation.cluster.dp_per_node
 
     @property
     def best_baseline(self) -> Baseline | None:
@@ -69,7 +69,7 @@ def _is_hpz(point: SweepPoint) -> bool:
 
 
 def _p_text(point: SweepPoint) -> str:
-    inside, nodes = point.explanation.plan.split(point.explanation.cluster.gpus_per_node)["params"]
+    inside, nodes = point.explanation.plan.split(point.explanation.cluster.dp_per_node)["params"]
     if point.p_leaves_node:
         hpz = ", gathered from an in-node copy (hpZ)" if _is_hpz(point) else ""
         return f"P {inside}x{nodes}, across {nodes} nodes{hpz}"
@@ -88,7 +88,7 @@ def _head_to_head(here: SweepPoint, other: SweepPoint) -> str:
 def sweep_text(key: str, points: list[SweepPoint]) -> str:
     _, unit, _ = SWEEPABLE[key]
     first = points[0].explanation
-    rpn = first.cluster.gpus_per_node
+    rpn = first.cluster.dp_per_node
     lines = [
         f"Lins planner sweep of --{key} ({unit}): {setting_text(first)}",
         "",
@@ -136,7 +136,7 @@ def sweep_json(key: str, points: list[SweepPoint]) -> dict:
         "points": [
             {
                 "value": pt.value,
-                "chosen": plan_record(pt.explanation.cost, first.cluster.gpus_per_node),
+                "chosen": plan_record(pt.explanation.cost, first.cluster.dp_per_node),
                 "p_leaves_node": pt.p_leaves_node,
                 "best_baseline": None if pt.best_baseline is None else pt.best_baseline.name,
                 "reason": pt.explanation.reason,
@@ -177,9 +177,9 @@ def plot_sweep(key: str, points: list[SweepPoint], path: str | Path) -> None:
     leaving = [(pt.value, pt.explanation.cost.step_s) for pt in points if pt.p_leaves_node]
     if leaving:
         ax.plot(*zip(*leaving), linestyle="none", marker="o", markersize=14, markerfacecolor="none", color="red",
-                label=f"P leaves the node (s_p > {first.cluster.gpus_per_node})")
+                label=f"P leaves the node (s_p > {first.cluster.dp_per_node})")
     for pt in points:
-        ax.annotate(split_text(pt.explanation.cost, first.cluster.gpus_per_node), (pt.value, pt.explanation.cost.step_s),
+        ax.annotate(split_text(pt.explanation.cost, first.cluster.dp_per_node), (pt.value, pt.explanation.cost.step_s),
                     textcoords="offset points", xytext=(0, -18), ha="center", fontsize=7,
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.8))
     for a, b in changes(points):
