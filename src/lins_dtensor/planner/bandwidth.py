@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from lins_dtensor.planner.hardware import HardwareSpec
-from lins_dtensor.planner.models import PlannerError
+from lins_dtensor.planner.models import PlannerError, read_json
 from lins_dtensor.schedule import Op
 
 FORMAT = "lins-bandwidth/1"
@@ -124,13 +124,7 @@ class BandwidthTable:
 
     @classmethod
     def load(cls, path: str | Path) -> "BandwidthTable":
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise PlannerError(f"cannot read bandwidth table '{path}': {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise PlannerError(f"bandwidth table '{path}' is not JSON: {exc.msg} at line {exc.lineno}") from None
-        return cls.from_json(data)
+        return cls.from_json(read_json(path, "bandwidth table"))
 
 
 @dataclasses.dataclass

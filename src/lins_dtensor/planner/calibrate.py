@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from lins_dtensor.plan import LinsPlan, LinsPlanError
 from lins_dtensor.planner.bandwidth import BandwidthTable
 from lins_dtensor.planner.cost import PlanCost, evaluate
 from lins_dtensor.planner.hardware import ClusterSpec, HardwareSpec, hardware_from_json, hardware_preset, hardware_to_json, save_hardware
-from lins_dtensor.planner.models import ModelSpec, PlannerError, model_from_text
+from lins_dtensor.planner.models import ModelSpec, PlannerError, model_from_text, read_json
 from lins_dtensor.planner.training import TrainingSpec
 
 FORMAT = "lins-calibration/1"
@@ -154,15 +153,6 @@ def run_from_json(data: object, where: str = "calibration file") -> CalibrationR
     )
 
 
-def _read_json(path: Path, what: str) -> object:
-    try:
-        return json.loads(path.read_text())
-    except OSError as exc:
-        raise PlannerError(f"cannot read {what} '{path}': {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlannerError(f"{what} '{path}' is not JSON: {getattr(exc, 'msg', exc)}") from None
-
-
 def read_tensorboard(directory: Path) -> CalibrationRun:
     """The run description torchtitan wrote under ``directory`` and the median of its
     measured steps after the warm-up (tensorboard is imported only here)."""
@@ -171,7 +161,7 @@ def read_tensorboard(directory: Path) -> CalibrationRun:
         raise PlannerError(f"no {RUN_FILE} under '{directory}' (the torchtitan integration writes it next to its TensorBoard events)")
     if len(found) > 1:
         raise PlannerError(f"{len(found)} runs under '{directory}'; pass one of their directories, e.g. '{found[-1].parent}'")
-    run = run_from_json(_read_json(found[0], "run description"), str(found[0]))
+    run = run_from_json(read_json(found[0], "run description"), str(found[0]))
     if run.plan is None:
         raise PlannerError(f"{found[0]}: no 'plan'")
     try:
@@ -202,7 +192,7 @@ def load_run(path: str | Path) -> CalibrationRun:
     path = Path(path)
     if path.is_dir():
         return read_tensorboard(path)
-    return run_from_json(_read_json(path, "calibration file"), f"calibration file '{path}'")
+    return run_from_json(read_json(path, "calibration file"), f"calibration file '{path}'")
 
 
 # ----- the fit -------------------------------------------------------------------------

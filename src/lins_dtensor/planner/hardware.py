@@ -31,7 +31,7 @@ import json
 import math
 from pathlib import Path
 
-from lins_dtensor.planner.models import PlannerError
+from lins_dtensor.planner.models import PlannerError, read_json
 
 GiB = 1 << 30
 GB = 1e9
@@ -210,10 +210,4 @@ def save_hardware(hw: HardwareSpec, path: str | Path) -> None:
 
 def load_hardware(path: str | Path) -> HardwareSpec:
     """A hardware file (from ``lins-plan calibrate``), used instead of a preset."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise PlannerError(f"cannot read hardware file '{path}': {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise PlannerError(f"hardware file '{path}' is not JSON: {exc.msg} at line {exc.lineno}") from None
-    return hardware_from_json(data, f"hardware file '{path}'")
+    return hardware_from_json(read_json(path, "hardware file"), f"hardware file '{path}'")

@@ -29,6 +29,18 @@ class PlannerError(ValueError):
     """Bad planner input (unknown preset, impossible cluster, nothing fits); one line."""
 
 
+def read_json(path: str | Path, what: str) -> object:
+    """A JSON file the planner was pointed at; a missing or broken one is one line naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise PlannerError(f"cannot read {what} '{path}': {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise PlannerError(f"{what} '{path}' is not JSON: {exc.msg} at line {exc.lineno}") from None
+    except UnicodeDecodeError as exc:
+        raise PlannerError(f"{what} '{path}' is not JSON: {exc.reason}") from None
+
+
 def llama_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
     """SwiGLU hidden size by the LLaMA rule: 2/3 of 4*dim, scaled, rounded up."""
     hidden = int(2 * (4 * dim) / 3)
@@ -216,12 +228,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     parameter shapes this model describes, so they are refused, naming the key.
     """
     path = Path(path)
-    try:
-        config = json.loads(path.read_text())
-    except OSError as exc:
-        raise PlannerError(f"cannot read model config '{path}': {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise PlannerError(f"model config '{path}' is not JSON: {exc.msg} at line {exc.lineno}") from None
+    config = read_json(path, "model config")
     if not isinstance(config, dict):
         raise PlannerError(f"model config '{path}' is not a JSON object")
     if config.get("architectures") != [_HF_ARCHITECTURE]:
