@@ -175,14 +175,11 @@ def test_targets_compare_against_every_strategy_that_fits_the_plans_budget():
     assert compare(rows)["Lins planner [unlimited]"]["target_1.15x_met"]
 
 
-def test_link_floor_is_the_larger_of_compute_and_link_time(monkeypatch):
-    from argparse import Namespace
-
-    from lins_dtensor.bench.cluster import link_floor, link_rate_bytes
+def test_link_floor_is_the_larger_of_compute_and_link_time():
+    from lins_dtensor.bench.report import link_floor, link_rate_bytes
 
     assert link_rate_bytes("300mbit") == pytest.approx(37.5e6) and link_rate_bytes("1gbit") == pytest.approx(125e6)
     assert link_rate_bytes("fast") is None
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     pred = {"compute_s": {"forward": 0.2, "backward": 0.4, "step": 0.1}}
-    floor = link_floor(pred, {"inter_nic_bytes": 6e6}, Namespace(link_rate="300mbit"))
+    floor = link_floor(pred, {"inter_nic_bytes": 6e6}, "300mbit", ranks_per_node=4)
     assert floor["link_s"] == pytest.approx(4 * 6e6 / 37.5e6) and floor["floor_s"] == pytest.approx(0.7)

@@ -257,6 +257,41 @@ def step_collectives(
     return [CollectiveRecord(*key, count=count) for key, count in counts.items()]
 
 
+def fsdp2_copy_bytes(
+    full_numel: int,
+    shard_numel: int,
+    reshard_after_forward: bool | int,
+    *,
+    microbatches: int,
+    param_bytes: int,
+    reduce_bytes: int,
+) -> dict[str, int]:
+    """Bytes one rank reads plus writes in FSDP2's own copies around one unit's
+    collectives in one step, by phase: the part of :func:`local_copy_bytes` for a plan
+    with P sharded, on its own so that the benchmark's calibration of FSDP2 (on
+    one-rank groups) subtracts the very bytes the planner charges.
+
+    ``full_numel`` is the unit's padded unsharded size, ``shard_numel`` this rank's
+    shard of it. Every micro-batch FSDP2 copies the shard into its all-gather input and
+    the gathered parameters out, and again in backward when resharded after forward
+    (``True``; with hpZ, ``k``, it keeps a 1/k shard after forward, a copy, and
+    re-gathers from it; ``False``, as for the root, re-gathers nothing); it copies the
+    unsharded gradients into its reduce-scatter input, and the sharded gradient is a
+    view of the reduce-scatter's output (no copy out).
+    """
+    m = microbatches
+    unshard = 2 * full_numel * param_bytes + 2 * shard_numel * param_bytes
+    forward = m * unshard
+    backward = m * 2 * full_numel * reduce_bytes  # the reduce-scatter copy-in
+    if reshard_after_forward is True:
+        backward += m * unshard
+    elif reshard_after_forward is not False:
+        post_forward = 2 * (full_numel // reshard_after_forward) * param_bytes
+        forward += m * post_forward
+        backward += m * (2 * full_numel * param_bytes + post_forward)
+    return {Phase.FORWARD.value: forward, Phase.BACKWARD.value: backward, Phase.STEP.value: 0}
+
+
 def local_copy_bytes(
     plan: LinsPlan,
     units: Iterable[UnitSchedule],
@@ -270,19 +305,16 @@ def local_copy_bytes(
     """Bytes one rank reads plus writes in local copies around its collectives in one
     step, by phase: the memory-bound work that surrounds the collectives above.
 
-    With P sharded (s_p > 1), FSDP2 copies each unit's shard into its all-gather input
-    and the gathered parameters out, in forward and again in backward when resharded
-    (with hpZ it keeps a 1/k shard after forward and re-gathers from it), and copies the
-    unsharded gradients into its reduce-scatter input; with P replicated Lins uses no
-    FSDP2 and takes autograd's gradients as they are. Each micro-batch's gradient then
-    goes into the G buffer: copied by the first micro-batch of a step and added by the
-    others, after a pack for the reduce-scatter when G is sharded finer than P (the
-    first micro-batch's reduce-scatter writes into the G buffer itself). The reduction to
-    the OS layout packs the G buffer when OS is finer than G (none when the OS layout is
-    the G chunk itself), the step divides the OS gradient (``divide``) and casts it to
-    the masters' dtype, and the update casts the masters to the parameter dtype, packs
-    the G-level chunk when both gathers run, and unpacks the gathered rows into the
-    parameters.
+    With P sharded (s_p > 1), FSDP2 makes its own copies (:func:`fsdp2_copy_bytes`);
+    with P replicated Lins uses no FSDP2 and takes autograd's gradients as they are.
+    Each micro-batch's gradient then goes into the G buffer: copied by the first
+    micro-batch of a step and added by the others, after a pack for the reduce-scatter
+    when G is sharded finer than P (the first micro-batch's reduce-scatter writes into
+    the G buffer itself). The reduction to the OS layout packs the G buffer when OS is
+    finer than G (none when the OS layout is the G chunk itself), the step divides the
+    OS gradient (``divide``) and casts it to the masters' dtype, and the update casts
+    the masters to the parameter dtype, packs the G-level chunk when both gathers run,
+    and unpacks the gathered rows into the parameters.
     """
     copies = {phase.value: 0 for phase in Phase}
     hpz = plan.reshard_after_forward
@@ -294,17 +326,11 @@ def local_copy_bytes(
         full, p_numel, g_numel, os_numel = g.params.total_numel, g.params.chunk_numel, g.grads.chunk_numel, g.optim.chunk_numel
         backward = 0
         if plan.params > 1:
-            unshard = 2 * full * param_bytes + 2 * p_numel * param_bytes
-            copies[Phase.FORWARD.value] += m * unshard
-            per_microbatch = 2 * full * reduce_bytes  # FSDP2's reduce-scatter copy-in
-            if not unit.is_root and hpz is True:
-                per_microbatch += unshard
-            elif not unit.is_root and hpz is not False:
-                # hpZ keeps a 1/k shard after forward (a copy) and re-gathers from it.
-                post_forward = 2 * (full // hpz) * param_bytes
-                copies[Phase.FORWARD.value] += m * post_forward
-                per_microbatch += 2 * full * param_bytes + post_forward
-            backward += m * per_microbatch
+            fsdp2 = fsdp2_copy_bytes(
+                full, p_numel, False if unit.is_root else hpz, microbatches=m, param_bytes=param_bytes, reduce_bytes=reduce_bytes,
+            )
+            copies[Phase.FORWARD.value] += fsdp2[Phase.FORWARD.value]
+            backward += fsdp2[Phase.BACKWARD.value]
             grad_bytes = reduce_bytes  # FSDP2 hands Lins the reduced shard in the reduce dtype
         else:
             grad_bytes = param_bytes  # autograd's gradient, in the parameter dtype

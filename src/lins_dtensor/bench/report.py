@@ -1,8 +1,25 @@
-"""Results of the cluster benchmark: derived numbers, the markdown table and the plot."""
+"""Results of the cluster benchmark: one row per strategy and M, the run's metadata,
+the numbers derived from them (prediction errors, rank correlation, comparisons) and
+the files ``cluster.json``, ``cluster.md`` and ``cluster.png``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import math
+import os
+import statistics
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from lins_dtensor.bench.measure import Ranks, link_bytes, summarize_times
+from lins_dtensor.bench.model import MODEL_SIZES
+from lins_dtensor.bench.planning import GiB, Overlap, budget_label
+from lins_dtensor.planner import HardwareSpec, ModelSpec
 
 MiB = 1 << 20
 
@@ -43,6 +60,129 @@ METHODS = {
 }
 
 FSDP_FAMILY = ("fsdp2", "hsdp", "hsdp-deferred", "hpz")
+
+
+# ----- rows ----------------------------------------------------------------------------------------
+class RowSpec(NamedTuple):
+    """A row to measure and report: a strategy at M, its label, its Lins plan (None for
+    torch's runtimes), the instance that runs it (rows with the same plan share one)
+    and, for the planner's rows, the budget labels the plan was chosen under."""
+
+    strategy: str
+    label: str
+    plan: str | None
+    microbatches: int
+    instance: str
+    chosen_for: tuple[str, ...] | None = None
+
+
+def make_row(
+    row: RowSpec,
+    *,
+    measured: dict,
+    per_rank: list[dict],
+    reused: bool,
+    predicted: dict,
+    tokens_per_step: int,
+    budgets_gib: Sequence[float | None],
+    link_rate: str,
+    ranks_per_node: int,
+) -> dict:
+    """The results entry of ``row``.
+
+    Measured: ``measured`` is rank 0's :meth:`~.measure.Instance.finish`, ``per_rank``
+    every rank's memory and Lins collective time, ``reused`` whether an earlier row at
+    this M measured the same instance. Predicted: the planner's numbers with the note of
+    the plan it costed. The run: tokens a step trains, its memory budgets, its link
+    rate and node size (for the link floor).
+    """
+    times = summarize_times(measured["times"])
+    nbytes = link_bytes(measured["records"])
+    peaks = [g["peak"] for g in per_rank if g["peak"] is not None]
+    states = [sum(g["states"].values()) for g in per_rank if g["states"]]
+    fits = {budget_label(b): predicted["peak_bytes"] <= b * GiB for b in budgets_gib if b is not None}
+    fits["unlimited"] = True
+    out = {
+        "strategy": row.strategy,
+        "label": row.label,
+        "plan": row.plan,
+        "microbatches": row.microbatches,
+        "instance": row.instance,
+        "reused_measurement": reused,
+        "step_time_s": times,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / times["median"],
+        "peak_memory": {
+            "rss_delta_max_bytes": max(peaks) if peaks else None,
+            "rss_delta_mean_bytes": statistics.mean(peaks) if peaks else None,
+            "rss_persistent_max_bytes": max(g["persistent"] for g in per_rank),
+            "rss_transient_max_bytes": max((g["transient"] for g in per_rank if g["transient"] is not None), default=None),
+            "model_state_bytes_max": max(states) if states else None,
+            "model_state_bytes_rank0": per_rank[0]["states"],
+        },
+        "bytes_per_rank": nbytes,
+        "comm_time_s": mean_comm_time([g["comm_time"] for g in per_rank]),
+        "link_floor_s": link_floor(predicted, nbytes, link_rate, ranks_per_node),
+        "predicted": predicted,
+        "fits": fits,
+        "last_loss": measured["last_loss"],
+    }
+    if row.chosen_for is not None:
+        out["chosen_for"] = list(row.chosen_for)
+    return out
+
+
+def mean_comm_time(per_rank: list[dict | None]) -> dict | None:
+    """Lins' exposed and hidden collective seconds per state in the last timed step,
+    averaged over the ranks (None for strategies Lins does not run)."""
+    if not per_rank or per_rank[0] is None:
+        return None
+    states = per_rank[0]
+    return {state: {k: statistics.mean(r[state][k] for r in per_rank) for k in ("exposed", "hidden")} for state in states}
+
+
+def link_rate_bytes(rate: str) -> float | None:
+    """A tc rate ("300mbit") in bytes per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit) and rate[: -len(unit)].replace(".", "", 1).isdigit():
+            return float(rate[: -len(unit)]) * scale / 8
+    return None
+
+
+def link_floor(predicted: dict, nbytes: dict, link_rate: str, ranks_per_node: int) -> dict | None:
+    """The step time if communication hid entirely behind compute: the larger of the
+    predicted compute (FLOPs, optimizer, copies, host time) and the time the node's link
+    needs for the inter-node bytes all its ranks send (each direction has the rate)."""
+    rate = link_rate_bytes(link_rate)
+    if rate is None:
+        return None
+    compute = sum(predicted["compute_s"].values())
+    link = nbytes["inter_nic_bytes"] * ranks_per_node / rate
+    return {"compute_s": compute, "link_s": link, "floor_s": max(compute, link)}
+
+
+def run_meta(
+    args: argparse.Namespace, ranks: Ranks, spec: ModelSpec, calib: dict, hardware: HardwareSpec, choices: dict, overlap: Overlap,
+) -> dict:
+    """What the run was: cluster, model, batch shape, the overlap model, calibration,
+    the planner's hardware and its choices (keyed by (M, budget label))."""
+    ma = MODEL_SIZES[args.model]
+    return {
+        "world_size": ranks.world, "nodes": ranks.nodes, "ranks_per_node": ranks.per_node, "link_rate": args.link_rate,
+        "backend": "gloo", "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        "model": {"size": args.model, **dataclasses.asdict(ma), "params": ma.num_params(), "units": len(spec.unit_shapes())},
+        "seq_len": args.seq_len, "batch_size": args.batch_size, "microbatches": args.microbatches,
+        "warmup_steps": args.warmup, "timed_steps": args.steps, "dtype": "fp32 params, fp32 gradient reduction, AdamW",
+        "overlap_fraction": overlap.fsdp, "lins_overlap_fraction": overlap.lins,
+        "reference_overlap_fraction": args.reference_overlap_fraction,
+        "memory_budget_gib": args.memory_budget_gib or None, "bandwidth_table": os.path.abspath(args.bandwidth),
+        "calibration": calib, "hardware": dataclasses.asdict(hardware),
+        "planner": [{"microbatches": m, "budget": lb, **c} for (m, lb), c in choices.items()],
+    }
+
+
+# ----- derived numbers -----------------------------------------------------------------------------
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
@@ -294,3 +434,29 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ----- files ----------------------------------------------------------------------------------------
+def write_results(
+    out_dir: str, meta: dict, rows: list[dict], *, elapsed_s: float, completed_microbatches: list[int], with_plot: bool,
+) -> None:
+    """Writes cluster.json, cluster.md and (``with_plot``) cluster.png into ``out_dir``
+    from the rows so far; the run rewrites them after every M, so that a run cut short
+    keeps what it measured."""
+    meta = {**meta, "elapsed_s": elapsed_s, "completed_microbatches": list(completed_microbatches), "methods": METHODS}
+    result = assemble(meta, rows)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "cluster.json"), "w") as f:
+        json.dump(result, f, indent=1, default=_json_default)
+        f.write("\n")
+    with open(os.path.join(out_dir, "cluster.md"), "w") as f:
+        f.write(markdown(result))
+    if with_plot:
+        plot(result, os.path.join(out_dir, "cluster.png"))
+
+
+def _json_default(o: object) -> object:
+    """What json cannot write: enums by their value, anything else as text."""
+    if hasattr(o, "value"):
+        return o.value
+    return str(o)

@@ -1,0 +1,333 @@
+"""Running the strategies on the cluster and measuring them.
+
+The job's ranks, memory from ``/proc/self/status``, the step times of one built
+strategy (:class:`Instance`), the bytes its collectives put on each link, and the
+start-up calibration that turns this cluster into the planner's hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh
+from lins_dtensor.bench.model import MODEL_SIZES, batch, build_model, loss_fn
+from lins_dtensor.planner.cost import model_flops_per_token, network_bytes
+from lins_dtensor.planner.memory import rank0_units
+from lins_dtensor.planner.models import model_from_module
+from lins_dtensor.runtime import default_units
+from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, CollectiveRecord, UnitSchedule, fsdp2_copy_bytes, local_copy_bytes
+
+LR = 3e-4  # AdamW's learning rate, for every strategy and the calibration's optimizer step
+
+
+# ----- the job --------------------------------------------------------------------------------
+class Ranks(NamedTuple):
+    """This process's place in the job: its rank, the world size and the ranks per node
+    (the launcher's LOCAL_WORLD_SIZE; all of them on one node if it is unset)."""
+
+    rank: int
+    world: int
+    per_node: int
+
+    @classmethod
+    def of_job(cls) -> Ranks:
+        world = dist.get_world_size()
+        return cls(dist.get_rank(), world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.per_node
+
+
+def log(rank: int, msg: str) -> None:
+    """Progress on rank 0 only, so that the log has one line per event."""
+    if rank == 0:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----- /proc memory ------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _release_memory() -> None:
+    """Free what can be freed, so that resident-size differences are the strategy's."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current resident size (False where the kernel refuses)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ----- one strategy, built and timed -------------------------------------------------------------
+@dataclasses.dataclass
+class Built:
+    """A strategy's model and optimizer, and how the timing loop drives and reads it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    clip: Callable[[], object]
+    records: Callable[[], Iterable[CollectiveRecord]]  # the collectives of the last step
+    end_step: Callable[[], None]
+    state_bytes: Callable[[], dict]  # persistent params / grads / optim bytes on this rank
+    microbatch_context: Callable[[int, int], contextlib.AbstractContextManager] | None = None  # (mb, M)
+    comm_time: Callable[[], dict] | None = None  # exposed / hidden seconds per state (Lins)
+    # Work a step leaves in flight for the next one (Lins' update gathers, which the
+    # next forward waits for): None, or a callable that waits for it (untimed).
+    settle: Callable[[], None] | None = None
+
+
+class Instance:
+    """One built strategy (model, optimizer, counters), trained across every M it is used for.
+
+    Memory per rank is measured in two parts, each around a quiet phase (nothing else
+    runs): ``persistent`` = VmRSS after building minus VmRSS before (after gc and
+    malloc_trim), and ``transient`` = VmHWM during this instance's warm-up steps at M,
+    the high-water mark reset just before, minus VmRSS at that moment. Their sum is the
+    training peak above the footprint the process had before the strategy existed.
+    """
+
+    def __init__(self, key: str, build: Callable[[], Built], args: argparse.Namespace, rank: int) -> None:
+        self.key, self.args, self.rank = key, args, rank
+        _release_memory()
+        dist.barrier()
+        before = _status_kib("VmRSS")
+        self.built = build()
+        _release_memory()
+        dist.barrier()
+        self.persistent_bytes = (_status_kib("VmRSS") - before) * 1024
+        self.step_count = 0
+        self.times: dict[int, list[float]] = {}
+        self.transient_bytes: dict[int, int | None] = {}
+        self.records: dict[int, list] = {}
+        self.state_bytes: dict[int, dict] = {}
+        self.losses: dict[int, float] = {}
+
+    def step(self, microbatches: int, measure_states: bool = False, barrier: bool = True) -> float:
+        """One optimizer step; returns the slowest rank's wall time. ``measure_states``
+        reads the model-state bytes after the optimizer (warm-up steps only, so that the
+        timed steps do no accounting). ``barrier=False`` starts the clock as soon as the
+        previous step ended on this rank, with its work still in flight."""
+        ma = MODEL_SIZES[self.args.model]
+        b = self.built
+        if barrier:
+            dist.barrier()
+        start = time.perf_counter()
+        for mb in range(microbatches):
+            tokens = batch(self.step_count, self.rank, mb, ma.vocab_size, self.args.seq_len, self.args.batch_size)
+            ctx = b.microbatch_context(mb, microbatches) if b.microbatch_context else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(b.model, tokens) / microbatches
+                loss.backward()
+        b.clip()
+        b.optimizer.step()
+        if measure_states:
+            self.state_bytes[microbatches] = b.state_bytes()
+        b.optimizer.zero_grad(set_to_none=True)
+        b.end_step()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        self.losses[microbatches] = float(loss.detach()) * microbatches
+        self.step_count += 1
+        return float(elapsed.item())
+
+    def warmup(self, microbatches: int, steps: int) -> None:
+        """Untimed steps, alone; they give the transient memory peak at this M."""
+        _release_memory()
+        dist.barrier()
+        before = _status_kib("VmRSS")
+        reset = _reset_peak()
+        for _ in range(steps):
+            self.step(microbatches, measure_states=True)
+        self.transient_bytes[microbatches] = (_status_kib("VmHWM") - before) * 1024 if reset and steps else None
+        self.times[microbatches] = []
+
+    def timed(self, microbatches: int) -> None:
+        """One timed step in steady state. A strategy that leaves work in flight for the
+        next step (Lins' update gathers, waited for in the next forward) runs an untimed
+        lead-in step first, so that the timed step starts with the previous step's
+        gathers in flight as in a training loop, and is settled, untimed, afterwards, so
+        that its own gathers neither run behind the next strategy's step nor slow it."""
+        settle = self.built.settle
+        if settle is None:
+            self.times[microbatches].append(self.step(microbatches))
+            return
+        self.step(microbatches)
+        self.times[microbatches].append(self.step(microbatches, barrier=False))
+        settle()
+
+    def finish(self, microbatches: int) -> dict:
+        """This rank's measurements at M: times, memory, the last step's collectives and loss."""
+        self.records[microbatches] = list(self.built.records())
+        transient = self.transient_bytes.get(microbatches)
+        return {
+            "times": self.times[microbatches],
+            "peak_delta_bytes": None if transient is None else self.persistent_bytes + transient,
+            "persistent_bytes": self.persistent_bytes,
+            "transient_bytes": transient,
+            "state_bytes": self.state_bytes.get(microbatches, {}),
+            "records": self.records[microbatches],
+            "last_loss": self.losses.get(microbatches),
+            "comm_time": self.built.comm_time() if self.built.comm_time else None,
+        }
+
+
+def summarize_times(times: list[float]) -> dict:
+    """Median, extremes and quartiles of the step times, with the samples themselves."""
+    ts = sorted(times)
+    q = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
+    return {"median": statistics.median(ts), "min": ts[0], "max": ts[-1], "q1": q[0], "q3": q[2], "samples": times}
+
+
+def link_bytes(records: Iterable[CollectiveRecord]) -> dict:
+    """Per-rank bytes by link: message bytes (what lins_stats.bytes_by reports) and the
+    ring-algorithm bytes through the node's NIC (the planner's network_bytes)."""
+    out = {"inter_message_bytes": 0, "intra_message_bytes": 0, "inter_nic_bytes": 0.0, "intra_wire_bytes": 0.0, "collectives": 0}
+    for r in records:
+        out["collectives"] += r.count
+        if r.link == "inter":
+            out["inter_message_bytes"] += r.message_bytes * r.count
+            out["inter_nic_bytes"] += network_bytes(r)
+        else:
+            out["intra_message_bytes"] += r.message_bytes * r.count
+            out["intra_wire_bytes"] += r.wire_bytes
+    return out
+
+
+# ----- calibration ---------------------------------------------------------------------------------
+def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
+    """This machine as the planner sees it, measured while every rank does the same work:
+
+    * the compute rate (forward + backward of one micro-batch), the optimizer rate (an
+      AdamW step over the whole model) and the copy rate (a model-sized copy);
+    * the host time per unit and micro-batch of FSDP2 (the same forward + backward with
+      ``fully_shard`` on one-rank groups, which gather nothing) and of Lins where P is
+      replicated (under ``apply_lins`` with the ddp plan, which communicates nothing
+      before the step), each less the copies the planner counts for it;
+    * how much compute an asynchronous collective hides behind (Lins' executor): an
+      all-reduce across the nodes, of the size each rank reduces under os=<node size>,
+      alone, two forward + backward passes alone, and the two at once.
+    """
+    rank, world, rpn = ranks
+    ma = MODEL_SIZES[args.model]
+    model, replicated_model, fsdp_model = (build_model(args.model) for _ in range(3))
+    spec = model_from_module(model, name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    replicated = LinsPlan.parse("ddp", world)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    mesh = build_lins_mesh(replicated, ranks_per_node=rpn, device_type="cpu")
+    apply_lins(replicated_model, mesh, mp_policy=fp32)
+    for unit in [*default_units(fsdp_model), fsdp_model]:
+        fully_shard(unit, mesh=mesh.param_mesh(), mp_policy=fp32)  # one-rank groups: FSDP2's host work alone
+    numel = sum(p.numel() for p in model.parameters())
+    src, dst = torch.randn(numel), torch.empty(numel)
+    cross = [dist.new_group([local + n * rpn for n in range(ranks.nodes)]) for local in range(rpn)][rank % rpn]
+    message = torch.zeros(numel // rpn)
+
+    def timed(fn: Callable[[], object]) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def forward_backward(net: nn.Module, i: int) -> Callable[[], None]:
+        return lambda: loss_fn(net, batch(99, rank, i, ma.vocab_size, args.seq_len, args.batch_size)).backward()
+
+    def compute_twice() -> None:
+        forward_backward(model, 0)()
+        forward_backward(model, 1)()
+
+    def both() -> None:
+        work = dist.all_reduce(message, group=cross, async_op=True)
+        compute_twice()
+        work.wait()
+
+    samples: dict[str, list[float]] = {k: [] for k in ("plain", "step", "copy", "lins", "fsdp", "comm", "compute2", "both")}
+    for i in range(4):
+        values = {
+            "plain": timed(forward_backward(model, i)),
+            "step": timed(opt.step),
+            "copy": timed(lambda: dst.copy_(src)),
+            "lins": timed(forward_backward(replicated_model, i)),
+            "fsdp": timed(forward_backward(fsdp_model, i)),
+            "comm": timed(lambda: dist.all_reduce(message, group=cross)),
+            "compute2": timed(compute_twice),
+            "both": timed(both),
+        }
+        for net in (model, replicated_model, fsdp_model):
+            net.zero_grad(set_to_none=True)
+        if i:  # the first round warms allocators and caches
+            for key, value in values.items():
+                samples[key].append(value)
+    worst = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    t = dict(zip(samples, (float(v) for v in worst)))
+    flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
+    copy_bytes_per_s = 2 * numel * 4 / t["copy"]
+    units = rank0_units(spec, replicated)
+    copies = local_copy_bytes(replicated, units, microbatches=1, param_bytes=4, reduce_bytes=4)
+    replicated_copies = copies["forward"] + copies["backward"]  # its gradients into the G buffers
+    fsdp_copies = _one_rank_fsdp2_copy_bytes(units)
+    hidden = t["comm"] + t["compute2"] - t["both"]
+    return {
+        "forward_backward_s": t["plain"],
+        "optimizer_step_s": t["step"],
+        "copy_s": t["copy"],
+        "lins_forward_backward_s": t["lins"],
+        "fsdp_forward_backward_s": t["fsdp"],
+        "flops_per_microbatch": flops,
+        "flops_per_s": flops / t["plain"],
+        # The planner's optimizer model: numel * (2 * 4 * (1 + 2) + 4) bytes at hbm_bw.
+        "optimizer_bytes_per_s": numel * (2 * 4 * 3 + 4) / t["step"],
+        "copy_bytes_per_s": copy_bytes_per_s,
+        "unit_overhead_s": max(0.0, (t["fsdp"] - t["plain"] - fsdp_copies / copy_bytes_per_s) / len(units)),
+        "replicated_unit_overhead_s": max(0.0, (t["lins"] - t["plain"] - replicated_copies / copy_bytes_per_s) / len(units)),
+        "overlap_probe": {"all_reduce_s": t["comm"], "compute_s": t["compute2"], "both_s": t["both"], "message_bytes": message.numel() * 4},
+        "lins_overlap_fraction": min(1.0, max(0.0, hidden / min(t["comm"], t["compute2"]))),
+    }
+
+
+def _one_rank_fsdp2_copy_bytes(units: Iterable[UnitSchedule]) -> int:
+    """Bytes FSDP2 copies in one fp32 forward + backward on one-rank groups (every unit
+    resharded after forward, none the root), so that the calibration leaves host time only:
+
+    * its own copies, as the planner charges them for every sharded plan
+      (:func:`lins_dtensor.schedule.fsdp2_copy_bytes`, with the shard the whole unit):
+      the all-gather's copy-in and copy-out in forward and again in backward, and the
+      reduce-scatter's copy-in, 10 passes of the model's bytes;
+    * the reduce-scatter itself, which torch replaces on a one-rank group by a copy of
+      its input into its output (2 more passes): on real groups it is the collective the
+      planner times from the bandwidth table, not host time.
+    """
+    total = 0
+    for unit in units:
+        g = unit.geometry
+        own = fsdp2_copy_bytes(g.params.total_numel, g.params.chunk_numel, True, microbatches=1, param_bytes=4, reduce_bytes=4)
+        total += sum(own.values()) + 2 * g.message_numel(GRAD_REDUCE_SCATTER) * 4
+    return total

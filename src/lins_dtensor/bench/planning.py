@@ -1,0 +1,156 @@
+"""The planner's side of the benchmark: its hardware (calibrated on this cluster), its
+choice of plan for each M and memory budget, and its prediction for every strategy.
+
+Predictions run under two overlap models (:class:`Overlap`): the run's (FSDP2 blocks on
+its collectives on CPU, Lins' asynchronous ones hide as calibrated) and a reference
+one (the planner's GPU default), so that the results show how much of the model's
+error the overlap assumption accounts for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from lins_dtensor import LinsPlan
+from lins_dtensor.bench.measure import Ranks
+from lins_dtensor.bench.strategies import Equivalent
+from lins_dtensor.planner import (
+    BandwidthTable,
+    ClusterSpec,
+    CollectiveTimer,
+    HardwareSpec,
+    ModelSpec,
+    PlannerError,
+    TrainingSpec,
+    choose_plan,
+    evaluate,
+    hardware_preset,
+    rank0_units,
+)
+from lins_dtensor.schedule import step_collectives
+
+GiB = 1 << 30
+
+
+def budget_label(budget_gib: float | None) -> str:
+    """How a memory budget is named in the results (None: no budget)."""
+    return "unlimited" if budget_gib is None else f"{budget_gib:g} GiB"
+
+
+def reference_label(reference_overlap_fraction: float) -> str:
+    """How the planner's choice under the reference overlap model is named."""
+    return f"unlimited, overlap model {reference_overlap_fraction:g}"
+
+
+def calibrated_hardware(calib: dict, ranks_per_node: int) -> HardwareSpec:
+    """The ``cpu-emulated`` preset with the rates :func:`~.measure.calibrate` measured."""
+    return dataclasses.replace(
+        hardware_preset("cpu-emulated"), name="cpu-emulated (calibrated)", ranks_per_node=ranks_per_node,
+        peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"], copy_bw=calib["copy_bytes_per_s"],
+        unit_overhead_s=calib["unit_overhead_s"], replicated_unit_overhead_s=calib["replicated_unit_overhead_s"],
+    )
+
+
+class Overlap(NamedTuple):
+    """An overlap model of the planner: how much compute hides FSDP2's per-micro-batch
+    collectives, and Lins' asynchronous ones (TrainingSpec's two fractions)."""
+
+    fsdp: float
+    lins: float
+
+
+@dataclasses.dataclass
+class Planning:
+    """The planner on this run's model, cluster and batch shape."""
+
+    spec: ModelSpec
+    hardware: HardwareSpec
+    table: BandwidthTable
+    ranks: Ranks
+    args: argparse.Namespace
+    run_overlap: Overlap  # the run's: FSDP2 blocks on CPU, Lins' as calibrated
+    reference_overlap: Overlap  # the planner's GPU defaults
+
+    def cluster(self, budget_gib: float | None) -> ClusterSpec:
+        budget = math.inf if budget_gib is None else budget_gib * GiB
+        return ClusterSpec(self.ranks.world, self.ranks.per_node, self.hardware, self.table, budget)
+
+    def training(self, microbatches: int, overlap: Overlap) -> TrainingSpec:
+        a = self.args
+        return TrainingSpec(
+            seq_len=a.seq_len, micro_batch=a.batch_size, global_batch_tokens=a.seq_len * a.batch_size * self.ranks.world * microbatches,
+            param_bytes=4, reduce_bytes=4, master_bytes=4, activation_bytes=4, clip_grad_norm=True,
+            overlap_fraction=overlap.fsdp, lins_overlap_fraction=overlap.lins,
+        )
+
+    def choose_all(self, budgets_gib: Sequence[float | None], with_reference: bool) -> dict[tuple[int, str], dict]:
+        """The choice for every M of the run: under each budget with the run's overlap
+        model and, ``with_reference``, with no budget under the reference one; keyed
+        by (M, budget label)."""
+        choices = {}
+        for m in self.args.microbatches:
+            for b in budgets_gib:
+                choices[(m, budget_label(b))] = self.choose(m, b, self.run_overlap)
+            if with_reference:
+                choices[(m, reference_label(self.reference_overlap.fsdp))] = self.choose(m, None, self.reference_overlap)
+        return choices
+
+    def choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap) -> dict:
+        """Rank 0's choice, sent to every rank: each rank building a different plan from a
+        near-tie would deadlock the first collective that only some of them issue."""
+        choice = [self._choose(microbatches, budget_gib, overlap) if self.ranks.rank == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def _choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap) -> dict:
+        try:
+            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap))
+        except PlannerError as exc:
+            return {"plan": None, "error": str(exc)}
+        return {
+            "plan": str(plan), "reason": ex.reason, "predicted_step_s": ex.cost.step_s,
+            "predicted_peak_bytes": ex.cost.memory.peak, "valid_plans": len(ex.ranked) + len(ex.dropped),
+            "dropped_for_memory": len(ex.dropped), "table_fallbacks": [list(s) for s in ex.table_fallbacks],
+            "top5": [{"plan": str(c.plan), "step_s": c.step_s} for c in ex.ranked[:5]],
+        }
+
+    def predict(self, microbatches: int, eq: Equivalent) -> dict:
+        """The planner's prediction with the run's overlap model, plus the reference one's step time."""
+        out = self._predict(microbatches, eq, self.run_overlap)
+        out["step_s_reference"] = self._predict(microbatches, eq, self.reference_overlap)["step_s"]
+        return out
+
+    def _predict(self, microbatches: int, eq: Equivalent, overlap: Overlap) -> dict:
+        """The planner's cost of ``eq.plan`` as run by the strategy ``eq`` describes:
+        stock HSDP has FSDP2 all-reduce (``fsdp2_reductions``), on every micro-batch but the
+        last too (``extra_all_reduce``); DDP has neither FSDP2's nor Lins' host time per
+        unit and copies (``fsdp_hooks=False``; its own bucket copies are not modelled)."""
+        world, rpn = self.ranks.world, self.ranks.per_node
+        plan = LinsPlan.parse(eq.plan, world)
+        cluster, training = self.cluster(None), self.training(microbatches, overlap)
+        if not eq.fsdp_hooks:
+            bare = dataclasses.replace(cluster.hardware, unit_overhead_s=0.0, replicated_unit_overhead_s=0.0, copy_bw=math.inf)
+            cluster = dataclasses.replace(cluster, hardware=bare)
+        timer = CollectiveTimer(cluster.hardware, rpn, self.table)
+        extra = []
+        if eq.extra_all_reduce and microbatches > 1:
+            once = step_collectives(
+                plan, rank0_units(self.spec, plan), world_size=world, ranks_per_node=rpn, microbatches=1,
+                param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes,
+            )
+            extra = [dataclasses.replace(r, count=r.count * (microbatches - 1)) for r in once if r.name == "optim_all_reduce"]
+        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions)
+        step_s, exposed, comm = cost.step_s, cost.exposed_s, cost.comm_s
+        inter_nic, intra = cost.link_bytes("inter"), cost.link_bytes("intra")
+        return {
+            "plan": eq.plan, "step_s": step_s, "compute_s": cost.compute_s, "comm_s": comm, "exposed_s": exposed,
+            "memory": cost.memory.gib(), "peak_bytes": cost.memory.peak,
+            "state_bytes": {"params": cost.memory.params, "grads": cost.memory.grads, "optim": cost.memory.optim},
+            "inter_nic_bytes": inter_nic, "intra_wire_bytes": intra,
+        }

@@ -1,0 +1,230 @@
+"""The strategies the benchmark compares, each built on the same model, and the Lins
+plan the planner costs each one as.
+
+Lins runs plans through ``apply_lins``; the torch runtimes (FSDP2, HSDP, hpZ, DDP) run
+with the same units and AdamW, their collectives recorded by the same
+:class:`~lins_dtensor.collectives.CommRecorder` that Lins uses, so that their bytes
+per link are counted alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lins_dtensor import (
+    LinsMesh,
+    LinsPlan,
+    apply_lins,
+    build_lins_mesh,
+    clip_grad_norm_,
+    lins_optimizer,
+    lins_stats,
+    set_gradient_accumulation_steps,
+    wait_for_updates,
+)
+from lins_dtensor.bench.measure import LR, Built, Ranks
+from lins_dtensor.bench.model import build_model
+from lins_dtensor.collectives import CommRecorder, LinsAllGather, LinsReduceScatter
+from lins_dtensor.optimizer import optimizer_state_bytes
+from lins_dtensor.runtime import default_units
+from lins_dtensor.schedule import OPTIM_ALL_REDUCE
+from lins_dtensor.stats import memory_bytes
+
+MAX_NORM = 1.0  # gradient clipping, for every strategy
+
+STRATEGIES = ("lins-planner", "lins-fsdp", "lins-zero1", "lins-zero2", "fsdp2", "hsdp", "hsdp-deferred", "hpz", "ddp")
+DESCRIPTIONS = {
+    "lins-planner": "Lins, the planner's plan",
+    "lins-fsdp": "Lins, fsdp preset (FSDP-equivalent plan)",
+    "lins-zero1": "Lins, zero1 preset",
+    "lins-zero2": "Lins, zero2 preset",
+    "fsdp2": "stock FSDP2 (fully_shard per block over all ranks)",
+    "hsdp": "FSDP2 HSDP, node = shard group (all-reduce every micro-batch)",
+    "hsdp-deferred": "FSDP2 HSDP, all-reduce only on the last micro-batch (hand-tuned)",
+    "hpz": "FSDP2, reshard_after_forward=<node size> (ZeRO++ hpZ)",
+    "ddp": "torch DistributedDataParallel (no_sync on all but the last micro-batch)",
+}
+
+
+# ----- building ----------------------------------------------------------------------------------
+def _nbytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def _torch_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The torch runtimes' model states on this rank, read from the live tensors."""
+    params = [p for p in model.parameters()]
+    return {
+        "params": sum(_nbytes(p) for p in params),
+        "grads": sum(_nbytes(p.grad) for p in params),
+        "optim": optimizer_state_bytes(optimizer),
+    }
+
+
+def _torch_built(
+    trained: nn.Module,
+    model: nn.Module,
+    recorder: CommRecorder,
+    microbatch_context: Callable[[int, int], contextlib.AbstractContextManager] | None = None,
+) -> Built:
+    """A torch-native strategy (FSDP2 family, DDP): AdamW and torch's clipping over the
+    parameters of ``model``, trained through ``trained`` (the model or its wrapper)."""
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
+    return Built(
+        trained, opt,
+        clip=lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
+        records=lambda: recorder.last_step,
+        end_step=recorder.end_step,
+        state_bytes=lambda: _torch_state_bytes(model, opt),
+        microbatch_context=microbatch_context,
+    )
+
+
+class Strategies:
+    """Builds each strategy on the same model; caches meshes so M=1 and M=4 share them."""
+
+    def __init__(self, model_size: str, ranks: Ranks) -> None:
+        self.model_size, self.world, self.rpn = model_size, ranks.world, ranks.per_node
+        self._meshes: dict[tuple, LinsMesh | DeviceMesh] = {}
+
+    def builder(self, key: str, plan: str | None) -> Callable[[], Built]:
+        """What builds the instance ``key``: a Lins plan, or one of torch's runtimes."""
+        if plan is not None:
+            return functools.partial(self.lins, plan)
+        if key == "ddp":
+            return self.ddp
+        return functools.partial(self.fsdp2, key)
+
+    def lins_mesh(self, plan: LinsPlan) -> LinsMesh:
+        key = ("lins", str(plan))
+        if key not in self._meshes:
+            self._meshes[key] = build_lins_mesh(plan, ranks_per_node=self.rpn, device_type="cpu")
+        return self._meshes[key]
+
+    def device_mesh(self, shape: tuple, names: tuple | None) -> DeviceMesh:
+        key = ("dm", shape)
+        if key not in self._meshes:
+            self._meshes[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        return self._meshes[key]
+
+    # ----- Lins ---------------------------------------------------------------------------
+    def lins(self, plan_text: str) -> Built:
+        plan = LinsPlan.parse(plan_text, self.world)
+        mesh = self.lins_mesh(plan)
+        model = build_model(self.model_size)
+        apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1, foreach=True)
+
+        def context(mb: int, m_total: int) -> contextlib.AbstractContextManager:
+            # The trainer tells Lins the step's micro-batch count, as torchtitan's
+            # integration does, so the last one reduces during its backward.
+            set_gradient_accumulation_steps(model, m_total)
+            return contextlib.nullcontext()
+
+        return Built(
+            model, opt,
+            clip=lambda: clip_grad_norm_(model, MAX_NORM),
+            records=lambda: lins_stats(model).collectives,
+            end_step=lambda: None,  # the Lins optimizer hook ends the recorder's step
+            state_bytes=lambda: memory_bytes(model),
+            microbatch_context=context,
+            comm_time=lambda: lins_stats(model).comm_time(),
+            settle=lambda: wait_for_updates(model),
+        )
+
+    # ----- FSDP2 family (torchtitan-style units) ------------------------------------------------
+    def fsdp2(self, kind: str) -> Built:
+        if kind in ("hsdp", "hsdp-deferred"):
+            mesh = self.device_mesh((self.world // self.rpn, self.rpn), ("replicate", "shard"))
+        else:
+            mesh = self.device_mesh((self.world,), None)
+        reshard = self.rpn if kind == "hpz" else True
+        model = build_model(self.model_size)
+        mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        recorder = CommRecorder(self.rpn)
+        # The same units Lins shards (torchtitan's: embedding, each block, norm, output),
+        # every one resharded after forward (torchtitan's "always" policy), then the root.
+        units = [*default_units(model), model]
+        for m in units:
+            fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard if m is not model else True)
+        for m in units:
+            m.set_custom_all_gather(LinsAllGather(recorder))
+            m.set_custom_reduce_scatter(LinsReduceScatter(recorder))
+            # gloo has no AVG / PREMUL_SUM reductions: sum, then scale (same result).
+            m.set_force_sum_reduction_for_comms(True)
+            if kind in ("hsdp", "hsdp-deferred"):
+                group = mesh.get_group("replicate")
+                m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out))
+        context = None
+        if kind == "hsdp-deferred":
+            @contextlib.contextmanager
+            def context(mb: int, m_total: int) -> Iterator[None]:
+                model.set_requires_all_reduce(mb == m_total - 1)
+                yield
+
+        return _torch_built(model, model, recorder, context)
+
+    # ----- DDP ----------------------------------------------------------------------------------
+    def ddp(self) -> Built:
+        model = build_model(self.model_size)
+        recorder = CommRecorder(self.rpn)
+
+        # No annotations: DDP checks a hook's, and under postponed evaluation they are strings.
+        def hook(state, bucket):
+            buf = bucket.buffer()
+            recorder.record(OPTIM_ALL_REDUCE, None, buf)
+            buf.div_(self.world)
+            fut = dist.all_reduce(buf, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
+
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, hook)
+
+        def context(mb: int, m_total: int) -> contextlib.AbstractContextManager:
+            return ddp.no_sync() if mb < m_total - 1 else contextlib.nullcontext()
+
+        return _torch_built(ddp, model, recorder, context)
+
+
+# ----- what the planner costs each strategy as ------------------------------------------------------
+class Equivalent(NamedTuple):
+    """The plan the planner costs for a strategy (same bytes on the same groups), and
+    how that strategy issues its collectives differently from Lins."""
+
+    plan: str
+    extra_all_reduce: bool  # stock HSDP: an all-reduce on every micro-batch, not once per step
+    fsdp_hooks: bool  # runs FSDP2's or Lins' per-unit hooks and copies (calibrated host time, local_copy_bytes)
+    note: str
+    fsdp2_reductions: bool = False  # the step reductions are FSDP2's (blocking on CPU), not Lins' chains
+
+
+def equivalent_plan(strategy: str, rpn: int, plan: str | None = None) -> Equivalent:
+    """The :class:`Equivalent` of ``strategy`` on nodes of ``rpn`` ranks (``plan``: the
+    Lins rows' own plan)."""
+    if strategy in ("lins-planner", "lins-plan"):
+        return Equivalent(plan, False, True, "the planner's own plan" if strategy == "lins-planner" else "a Lins plan given on the command line")
+    return {
+        "fsdp2": Equivalent("fsdp", False, True, "costed as Lins p=N,g=N,os=N (same collectives)"),
+        "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, on every micro-batch", True),
+        "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, last micro-batch only", True),
+        "hpz": Equivalent(f"hpz:{rpn}", False, True, f"costed as hpz:{rpn}"),
+        "ddp": Equivalent("ddp", False, False, "costed as Lins ddp without per-unit host time and copies (one all-reduce per "
+                          "step, overlapped with the last backward as DDP's buckets are)"),
+        "lins-fsdp": Equivalent("fsdp", False, True, ""),
+        "lins-zero1": Equivalent("zero1", False, True, ""),
+        "lins-zero2": Equivalent("zero2", False, True, ""),
+    }[strategy]
