@@ -6,6 +6,7 @@ import pytest
 
 from distributed import run
 from error_scenarios import misuse_messages
+from fault_scenarios import program_collectives_between_lins_chains, stalled_peer
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,16 @@ def test_misuse_raises_clear_error(messages, case, expected):
 def test_a_stopped_peer_fails_the_collective_within_the_timeout():
     """A rank that stops responding ends the others' wait after the mesh's timeout with an
     error that names the Lins collective, instead of a hang (30 minutes by default)."""
-    from fault_scenarios import stalled_peer
-
     result = run(stalled_peer, 2, 3.0, 12.0)
     assert result["message"].startswith("lins: collective grad_shard_reduce_scatter (grads) failed:"), result["message"]
     assert "\n" not in result["message"]
     assert 2.5 < result["elapsed_s"] < 10.0, result
+
+
+def test_lins_groups_are_its_own_so_program_collectives_cannot_interleave():
+    """A mesh dim that spans every rank used to reuse the default process group; the
+    program's all-reduce on it then met Lins' update gathers in a different order on a
+    late rank and hung (seen in the benchmark). Lins' groups are now its own."""
+    results = run(program_collectives_between_lins_chains, 4, "p=1,g=1,os=4", 10.0)
+    assert results == {"shared_with_default_group": [], "message": "no error"}, results
+

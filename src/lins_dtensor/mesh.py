@@ -120,7 +120,13 @@ def build_lins_mesh(
     # Rank order is (replica, optim, grad, param) outermost first; the mesh lists the
     # dims as (replica, param, grad, optim) so that Shard(0) nests OS in G in P.
     ranks = torch.arange(world_size).view(r, o, g, p).permute(0, 3, 2, 1).contiguous()
-    device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+    # Every dim gets process groups of its own. DeviceMesh would reuse the default group
+    # for a dim that spans the world, and Lins' chains issue on their groups when earlier
+    # collectives complete, a moment that differs between ranks: sharing a group with
+    # the program's own collectives (a loss all-reduce on the default group) would let
+    # ranks issue them in different orders and hang. Naming the backend opts out.
+    backend = dist.get_backend()
+    device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS, backend_override=((backend, None),) * len(MESH_DIMS))
     mesh = LinsMesh(device_mesh, plan, ranks_per_node)
     if timeout is not None:
         mesh.set_timeout(timeout)
