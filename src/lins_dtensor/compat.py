@@ -14,11 +14,11 @@ from torch import nn
 # The torch releases whose private APIs below match (pyproject's range); 2.13.0 is the
 # one the test suite runs on. Outside the range, stop at import with one line rather
 # than fail somewhere inside FSDP2.
-SUPPORTED_TORCH = ((2, 11), (2, 14))
+SUPPORTED_TORCH = ((2, 13), (2, 14))
 _found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 if not SUPPORTED_TORCH[0] <= _found <= SUPPORTED_TORCH[1]:
     raise ImportError(
-        f"lins_dtensor supports torch 2.11 to 2.14 (tested on 2.13.0); this is torch {torch.__version__}: "
+        f"lins_dtensor supports torch 2.13 to 2.14 (tested on 2.13.0); this is torch {torch.__version__}: "
         "install torch==2.13.0"
     )
 
