@@ -73,7 +73,8 @@ def train_lins(configs: list[dict]) -> list[dict]:
         init = cfg.get("init")  # None, "meta" (to_empty, then a full state dict) or "assign"
         with torch.device("meta") if init == "meta" else contextlib.nullcontext():
             model = build_model(**cfg.get("model_kwargs", {}))
-        frozen_before = build_model(**cfg.get("model_kwargs", {})).pos.detach().clone()
+        reference = build_model(**cfg.get("model_kwargs", {}))  # the same values, unsharded
+        frozen_before = reference.pos.detach().clone()
         mesh = build_lins_mesh(plan, ranks_per_node=cfg["ranks_per_node"], device_type="cpu")
         param_dtype = cfg.get("param_dtype")
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
@@ -81,7 +82,7 @@ def train_lins(configs: list[dict]) -> list[dict]:
         if init == "meta":
             model.to_empty(device="cpu")
         if init is not None:  # the values come from a plain full state dict
-            model.load_state_dict(build_model(**cfg.get("model_kwargs", {})).state_dict(), assign=init == "assign")
+            model.load_state_dict(reference.state_dict(), assign=init == "assign")
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         mbs, mode, clip = cfg["microbatches"], cfg.get("mode", "explicit"), cfg.get("clip", True)
         reduce_in_backward = cfg.get("reduce_in_backward", False)

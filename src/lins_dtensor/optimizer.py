@@ -126,6 +126,14 @@ def _keys_from_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     return state_dict
 
 
+def local_nbytes(tensor: torch.Tensor | None) -> int:
+    """Bytes this rank holds of ``tensor`` (its local shard for a DTensor; 0 for None)."""
+    if tensor is None:
+        return 0
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of optimizer states (e.g. Adam's two moments) this rank holds."""
     if optimizer is None:
@@ -134,8 +142,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     for per_param in optimizer.state.values():
         for value in per_param.values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                local = value.to_local() if isinstance(value, DTensor) else value  # FSDP2's states are DTensors
-                total += local.numel() * local.element_size()
+                total += local_nbytes(value)  # FSDP2's states are DTensors
     return total
 
 

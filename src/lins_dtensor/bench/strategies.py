@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from lins_dtensor import (
     LinsMesh,
@@ -35,7 +34,7 @@ from lins_dtensor import (
 from lins_dtensor.bench.measure import LR, Built, Ranks
 from lins_dtensor.bench.model import build_model
 from lins_dtensor.collectives import CommRecorder, LinsAllGather, LinsReduceScatter
-from lins_dtensor.optimizer import optimizer_state_bytes
+from lins_dtensor.optimizer import local_nbytes, optimizer_state_bytes
 from lins_dtensor.runtime import default_units
 from lins_dtensor.schedule import OPTIM_ALL_REDUCE
 from lins_dtensor.stats import memory_bytes
@@ -57,19 +56,12 @@ DESCRIPTIONS = {
 
 
 # ----- building ----------------------------------------------------------------------------------
-def _nbytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
-
-
 def _torch_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The torch runtimes' model states on this rank, read from the live tensors."""
     params = [p for p in model.parameters()]
     return {
-        "params": sum(_nbytes(p) for p in params),
-        "grads": sum(_nbytes(p.grad) for p in params),
+        "params": sum(local_nbytes(p) for p in params),
+        "grads": sum(local_nbytes(p.grad) for p in params),
         "optim": optimizer_state_bytes(optimizer),
     }
 

@@ -315,8 +315,11 @@ def fit(run: CalibrationRun) -> Calibration:
     fit_bw, note = (False, "a single node has no inter-node traffic") if run.cluster.nodes <= 1 else _bandwidth_identifiable(run, base, x)
     lo_b, hi_b = x[1] - math.log(BANDWIDTH_RANGE), x[1] + math.log(BANDWIDTH_RANGE)
 
+    def clamp(y: tuple[float, ...]) -> tuple[float, float]:
+        return min(max(y[0], lo_e), hi_e), min(max(y[1], lo_b), hi_b) if fit_bw else x[1]
+
     def bounded(y: tuple[float, ...]) -> float:  # outside the ranges: the loss at the edge, plus a slope back in
-        e, b = min(max(y[0], lo_e), hi_e), min(max(y[1], lo_b), hi_b) if fit_bw else x[1]
+        e, b = clamp(y)
         return loss((e, b)) + abs(e - y[0]) + (abs(b - y[1]) if fit_bw else 0.0)
 
     if fit_bw:
@@ -325,7 +328,7 @@ def fit(run: CalibrationRun) -> Calibration:
     else:
         start = (_scan(lambda e: loss((e, x[1])), lo_e, hi_e),)
     best = _nelder_mead(bounded, start, 0.2)
-    x = (min(max(best[0], lo_e), hi_e), min(max(best[1], lo_b), hi_b) if fit_bw else x[1])
+    x = clamp(best)
     name = base.name if base.name.endswith("(calibrated)") else f"{base.name} (calibrated)"
     fitted = dataclasses.replace(base, name=name, efficiency=math.exp(x[0]), inter_bw=math.exp(x[1]) if fit_bw else base.inter_bw)
     return Calibration(

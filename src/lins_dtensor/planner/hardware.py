@@ -180,7 +180,7 @@ def hardware_from_json(data: object, where: str = "hardware file") -> HardwareSp
         try:
             if key == "name":
                 kwargs[key] = str(value)
-            elif isinstance(default, bool) or key == "memory_shared_by_world":
+            elif isinstance(default, bool):
                 if not isinstance(value, bool):
                     raise ValueError
                 kwargs[key] = value
@@ -199,7 +199,7 @@ def hardware_from_json(data: object, where: str = "hardware file") -> HardwareSp
                 kwargs[key] = number
         except (TypeError, ValueError):
             raise PlannerError(f"{where}: '{key}' = {value!r} is not valid") from None
-    if kwargs.get("efficiency", 0.6) > 1:
+    if "efficiency" in kwargs and kwargs["efficiency"] > 1:
         raise PlannerError(f"{where}: 'efficiency' = {kwargs['efficiency']} must be in (0, 1]")
     return HardwareSpec(**kwargs)
 

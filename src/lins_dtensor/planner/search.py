@@ -93,12 +93,17 @@ def _sort_key(cost: PlanCost) -> tuple:
     return (round(cost.step_s, 9), cost.memory.peak, p.params, p.grads, p.optim)
 
 
+def fastest_fitting_baseline(baselines: list[Baseline]) -> Baseline | None:
+    """The fastest named baseline that fits in memory (None when none does)."""
+    fitting = [b for b in baselines if b.cost is not None and b.cost.fits]
+    return min(fitting, key=lambda b: b.cost.step_s, default=None)  # type: ignore[union-attr]
+
+
 def explain_winner(win: PlanCost, baselines: list[Baseline]) -> str:
     """One line: what the winner saves, on which link, against the fastest baseline that fits."""
-    fitting = [b for b in baselines if b.cost is not None and b.cost.fits]
-    if not fitting:
+    best = fastest_fitting_baseline(baselines)
+    if best is None:
         return f"{win.plan} fits in memory ({win.memory.peak / GiB:.1f} GiB) where none of the named baselines does"
-    best = min(fitting, key=lambda b: b.cost.step_s)  # type: ignore[union-attr]
     if best.plan == win.plan:
         return f"the fastest plan is {best.name} itself ({win.plan}); no other sharding of P, G, OS predicts a shorter step"
     w, b = win.by_link(exposed=True), best.cost.by_link(exposed=True)  # type: ignore[union-attr]

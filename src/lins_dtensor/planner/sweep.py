@@ -15,7 +15,7 @@ from pathlib import Path
 from lins_dtensor.planner.memory import GiB
 from lins_dtensor.planner.models import PlannerError
 from lins_dtensor.planner.report import FORMAT, baseline_records, plan_record, setting_record, setting_text, split_text
-from lins_dtensor.planner.search import Baseline, Explanation
+from lins_dtensor.planner.search import Baseline, Explanation, fastest_fitting_baseline
 
 # --sweep KEY -> (the lins-plan option it sets, unit, axis label)
 SWEEPABLE = {"inter-node-gbit": ("inter_node_gbit", "Gbit/s", "inter-node bandwidth per node (Gbit/s)")}
@@ -50,9 +50,7 @@ class SweepPoint:
 
     @property
     def best_baseline(self) -> Baseline | None:
-        """The fastest named baseline that fits (None when none does)."""
-        steps = [(step, b) for b in self.explanation.baselines if (step := _fitting_step_s(b)) is not None]
-        return min(steps, key=lambda sb: sb[0], default=(None, None))[1]
+        return fastest_fitting_baseline(self.explanation.baselines)
 
 
 def changes(points: list[SweepPoint]) -> list[tuple[SweepPoint, SweepPoint]]:

@@ -18,13 +18,13 @@ the test suite checks the committed document is what the planner predicts today.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner.cost import PlanCost, evaluate
 from lins_dtensor.planner.hardware import ClusterSpec, hardware_preset
 from lins_dtensor.planner.models import ModelSpec, model_preset
+from lins_dtensor.planner.search import pick_winner
 from lins_dtensor.planner.training import TrainingSpec
 
 # Sources (the commit or document the numbers were copied from).
@@ -55,10 +55,14 @@ class PublishedRun:
     inter_node_gbit: float | None = None  # the source's network, where it differs from the preset's
     note: str = ""
 
-    def cluster(self) -> ClusterSpec:
+    def cluster(self, efficiency: float | None = None) -> ClusterSpec:
+        """The run's cluster: its hardware preset, with the source's network and, when
+        given, another device efficiency."""
         hw = hardware_preset(self.hardware)
         if self.inter_node_gbit is not None:
             hw = dataclasses.replace(hw, inter_bw=self.inter_node_gbit * 1e9 / 8)
+        if efficiency is not None:
+            hw = dataclasses.replace(hw, efficiency=efficiency)
         return ClusterSpec(self.gpus, min(hw.ranks_per_node, self.gpus), hw)
 
     def training(self) -> TrainingSpec:
@@ -68,11 +72,12 @@ class PublishedRun:
             activation_checkpointing=self.activation_checkpointing,
         )
 
-    def cost(self) -> PlanCost:
-        return evaluate(LinsPlan.parse(self.plan, self.gpus), self.model, self.cluster(), self.training())
+    def cost(self, efficiency: float | None = None) -> PlanCost:
+        return evaluate(LinsPlan.parse(self.plan, self.gpus), self.model, self.cluster(efficiency), self.training())
 
-    def predicted(self) -> float:
-        cost = self.cost()
+    def predicted(self, efficiency: float | None = None) -> float:
+        """The run's metric as the planner predicts it."""
+        cost = self.cost(efficiency)
         return cost.tokens_per_s / self.gpus if self.metric == "tokens_per_gpu" else 100 * cost.mfu
 
     def error(self) -> float:
@@ -137,30 +142,26 @@ def fitted_efficiency(run: PublishedRun) -> float:
     low, high = 0.05, 1.0
     for _ in range(40):
         mid = (low + high) / 2
-        hw = dataclasses.replace(run.cluster().hardware, efficiency=mid)
-        cost = evaluate(LinsPlan.parse(run.plan, run.gpus), run.model, dataclasses.replace(run.cluster(), hardware=hw), run.training())
-        value = cost.tokens_per_s / run.gpus if run.metric == "tokens_per_gpu" else 100 * cost.mfu
-        low, high = (mid, high) if value < run.published else (low, mid)
+        low, high = (mid, high) if run.predicted(mid) < run.published else (low, mid)
     return (low + high) / 2
 
 
-def _beats(a: PlanCost, b: PlanCost, tie_tolerance: float) -> int:
-    """The planner's order of two plans: faster first; within the tie tolerance, fewer
-    inter-node bytes first (as :func:`lins_dtensor.planner.search.pick_winner`)."""
-    if abs(a.step_s / b.step_s - 1) <= tie_tolerance:
-        return -1 if a.link_bytes("inter") < b.link_bytes("inter") else 1
-    return -1 if a.step_s < b.step_s else 1
-
-
 def paper_ranking(runs: tuple[PublishedRun, ...] = PUBLISHED, tie_tolerance: float = 0.02) -> dict[str, tuple[list[str], list[str]]]:
-    """Per model at 1024 GPUs: (published order, predicted order) of the systems, best first."""
+    """Per model at 1024 GPUs: (published order, predicted order) of the systems, best
+    first; the predicted order takes the planner's winner (:func:`pick_winner`) again
+    and again, so near-ties go as the planner settles them."""
     out: dict[str, tuple[list[str], list[str]]] = {}
     for model in ("llama_7b", "llama_13b", "llama_30b"):
         rows = [r for r in runs if r.source == LINS_PAPER and r.model.name == model and r.gpus == 1024]
-        costs = {r.id: r.cost() for r in rows}
+        costs = {r.id.split("-")[2]: r.cost() for r in rows}
+        left = sorted(costs.values(), key=lambda c: c.step_s)
+        predicted = []
+        while left:
+            winner = pick_winner(left, tie_tolerance)
+            predicted.append(next(name for name, cost in costs.items() if cost is winner))
+            left = [c for c in left if c is not winner]
         published = [r.id.split("-")[2] for r in sorted(rows, key=lambda r: -r.published)]
-        order = sorted(rows, key=functools.cmp_to_key(lambda a, b: _beats(costs[a.id], costs[b.id], tie_tolerance)))
-        out[model] = (published, [r.id.split("-")[2] for r in order])
+        out[model] = (published, predicted)
     return out
 
 
@@ -177,17 +178,18 @@ def render_markdown(runs: tuple[PublishedRun, ...] = PUBLISHED) -> str:
         "| id | role | model | hardware | GPUs | plan | seq x mb x M | AC | metric | published | predicted | error |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    error = {r.id: r.error() for r in runs}  # one evaluation per row
     for r in runs:
         network = f" ({r.inter_node_gbit:g} Gb/s)" if r.inter_node_gbit else ""
         lines.append(
             f"| {r.id} | {r.role} | {r.model.name} | {r.hardware}{network} | {r.gpus} | {r.plan} | "
             f"{r.seq_len} x {r.micro_batch} x {r.microbatches} | {r.activation_checkpointing} | {r.metric} | "
-            f"{r.published:g} | {r.predicted():.0f} | {100 * r.error():+.1f}% |"
+            f"{r.published:g} | {r.published * (1 + error[r.id]):.0f} | {100 * error[r.id]:+.1f}% |"
         )
     predict = [r for r in runs if r.role == "predict" and r.metric == "tokens_per_gpu"]
-    worst = max(predict, key=lambda r: abs(r.error()))
-    mean = sum(abs(r.error()) for r in predict) / len(predict)
-    lines += ["", f"Multi-node throughput rows: mean |error| {100 * mean:.1f}%, worst {worst.id} {100 * worst.error():+.1f}%.", ""]
+    worst = max(predict, key=lambda r: abs(error[r.id]))
+    mean = sum(abs(error[r.id]) for r in predict) / len(predict)
+    lines += ["", f"Multi-node throughput rows: mean |error| {100 * mean:.1f}%, worst {worst.id} {100 * error[worst.id]:+.1f}%.", ""]
     lines += ["## Fitted device efficiency", "", "| fit row | hardware | efficiency |", "|---|---|---|"]
     for r in runs:
         if r.role == "fit":
@@ -207,7 +209,7 @@ def render_markdown(runs: tuple[PublishedRun, ...] = PUBLISHED) -> str:
         "|---|---|---|---|---|",
     ]
     for r in runs:
-        if r.role == "rank" and r.error() > 0.2:
+        if r.role == "rank" and error[r.id] > 0.2:
             cost = r.cost()
             implied = cost.step_s * cost.mfu * 100 / r.published
             lines.append(f"| {r.id} | {r.published:g}% | {implied:.2f} | {cost.step_s:.2f} | "

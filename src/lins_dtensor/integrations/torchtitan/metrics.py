@@ -80,8 +80,8 @@ class LinsMetricsProcessor(MetricsProcessor):
         report = getattr(model, REPORT_ATTR, "")
         resolved = getattr(model, RESOLVED_ATTR, None)
         run = None if resolved is None or resolved.prediction is None else resolved.prediction.run_description
+        text = "    " + report.replace("\n", "\n    ")  # markdown code block
         for writer in self._tensorboard_writers():
-            text = "    " + report.replace("\n", "\n    ")  # markdown code block
             writer.add_text("lins/plan", text, step)
             if run is not None:
                 (Path(writer.log_dir) / RUN_FILE).write_text(json.dumps(run) + "\n")

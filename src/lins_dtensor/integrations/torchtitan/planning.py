@@ -78,6 +78,11 @@ def _training(job_config, world: int):
     )
 
 
+def _run_description(spec, cluster: ClusterSpec, training: TrainingSpec, plan: LinsPlan) -> dict:
+    """What ``lins-plan calibrate`` needs to know of this run, measured rows aside."""
+    return run_to_json(CalibrationRun(spec, cluster, training, [], str(plan)))
+
+
 def choose(job_config, model, world: int, rpn: int) -> tuple[LinsPlan, Prediction]:
     """``plan = "auto"``: the planner's plan, or a one-line LinsConfigError."""
     try:
@@ -85,8 +90,8 @@ def choose(job_config, model, world: int, rpn: int) -> tuple[LinsPlan, Predictio
     except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise LinsConfigError(f"[lins] plan = 'auto': {first}") from None
-    run = CalibrationRun(explanation.model, explanation.cluster, explanation.training, [], str(plan))
-    return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster), run_to_json(run))
+    run = _run_description(explanation.model, explanation.cluster, explanation.training, plan)
+    return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster), run)
 
 
 def predict(job_config, model, plan: LinsPlan, world: int, rpn: int) -> Prediction | None:
@@ -98,7 +103,7 @@ def predict(job_config, model, plan: LinsPlan, world: int, rpn: int) -> Predicti
             Baseline(name, p, None if p is None else evaluate(p, spec, cluster, training), note)
             for name, p, note in baseline_plans(world, rpn)
         ]
-        run = run_to_json(CalibrationRun(spec, cluster, training, [], str(plan)))
+        run = _run_description(spec, cluster, training, plan)
         return Prediction(evaluate(plan, spec, cluster, training), baselines, None, _cluster_text(cluster), run)
     except Exception:  # noqa: BLE001 - the table is informative only; training goes on
         return None
