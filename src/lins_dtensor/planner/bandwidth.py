@@ -37,10 +37,13 @@ def alpha_beta_seconds(hw: HardwareSpec, ranks_per_node: int, op: str, group_siz
     ranks_per_node / r groups of the same dim, so it gets r / ranks_per_node of them.
     An all-reduce across nodes takes NCCL's tree instead when its latency, which grows
     with log2(nodes) rather than with the ranks, is lower (at large messages both reach
-    the same bus bandwidth).
+    the same bus bandwidth). A backend that reduce-scatters by all-reducing
+    (``reduce_scatter_is_all_reduce``: gloo) takes an all-reduce's time.
     """
     if group_size <= 1:
         return 0.0
+    if op == Op.REDUCE_SCATTER.value and hw.reduce_scatter_is_all_reduce:
+        op = Op.ALL_REDUCE.value
     wire = ring_factor(op, group_size) * message_bytes
     steps = (2 if op == Op.ALL_REDUCE.value else 1) * (group_size - 1)
     if nodes <= 1:

@@ -1,10 +1,11 @@
-"""Calibration from the user's own run: fit the device efficiency and the inter-node
-bandwidth to measured step times, and write a hardware file used instead of a preset.
+"""Calibration from the user's own run: fit the device efficiency and the inter- and
+intra-node bandwidths to measured step times, and write a hardware file used instead
+of a preset.
 
-Only these two are fitted because they are what a preset gets wrong on someone else's
-cluster (kernels, clocks and power caps; the real network, its contention and
-stack), both keep their physical meaning for every other plan, and a handful of step
-times cannot pin down more numbers without fitting noise.
+Only these are fitted because they are what a preset gets wrong on someone else's
+cluster (kernels, clocks and power caps; the real network and node interconnect, their
+contention and stack), all keep their physical meaning for every other plan, and a
+handful of measurements cannot pin down more numbers without fitting noise.
 
 A run is described by a ``lins-calibration/1`` JSON object: the model, the cluster (a
 hardware preset or hardware object, ranks, an optional bandwidth table), the training
@@ -14,12 +15,15 @@ TensorBoard events; the rows then come from the ``lins/step_s_measured`` and
 ``lins/comm/exposed_s/*`` scalars.
 
 The fit minimises the squared log ratio (relative error) of predicted to measured step
-times and, where given, exposed communication seconds. A parameter is fitted only when
-the measurements determine it: the bandwidth needs an observation that depends on it
-and a second one that moves differently with the two parameters. One step time alone
-can be matched by any mix of slower compute and a slower network, so a single plan
-without its exposed communication fits the efficiency only (the preset's bandwidth is
-kept); its step time plus the exposed communication that Lins measures separate the two.
+times and, where given, exposed communication seconds (in total, or per state as Lins
+measures them; 5 % of the step is added to each before the logarithm, so that noise-level
+seconds do not dominate). A parameter is fitted only when the measurements determine it:
+a bandwidth needs observations that depend on it and move in a way the parameters
+already fitted cannot mimic. One step time alone can be matched by any mix of slower
+compute and a slower network, so a single plan without its exposed communication fits
+the efficiency only (the preset's bandwidths are kept); its exposed communication per
+state separates them, and the intra-node bandwidth needs a plan with traffic inside a
+node (e.g. P or G sharded within it).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class Measurement:
     plan: str
     step_s: float
     microbatches: int | None = None  # None: the training's
-    comm_exposed_s: float | None = None  # Lins' measured exposed communication per step
+    comm_exposed_s: float | dict[str, float] | None = None  # Lins' measured exposed communication per step: total, or per state
 
 
 @dataclasses.dataclass
@@ -70,7 +74,7 @@ class CalibrationRun:
 class Calibration:
     hardware: HardwareSpec
     fitted: list[str]  # names of the HardwareSpec fields fitted
-    note: str  # why the bandwidth was or was not fitted
+    note: str  # why each bandwidth was or was not fitted
     before: list[float]  # predicted step seconds per measurement, start hardware
     after: list[float]  # the same with the fitted hardware
 
@@ -119,8 +123,11 @@ def _measurement(row: object, default_plan: str | None, where: str) -> Measureme
         raise PlannerError(f"{where}: measurement of {plan}: 'step_s' = {step_s!r} must be a positive number")
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise PlannerError(f"{where}: measurement of {plan}: 'microbatches' = {m!r} must be a positive integer")
-    if comm is not None and (isinstance(comm, bool) or not isinstance(comm, (int, float)) or comm < 0):
-        raise PlannerError(f"{where}: measurement of {plan}: 'comm_exposed_s' = {comm!r} must be a number >= 0")
+    values = comm.values() if isinstance(comm, dict) else [] if comm is None else [comm]
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in values) or comm == {}:
+        raise PlannerError(f"{where}: measurement of {plan}: 'comm_exposed_s' = {comm!r} must be a number >= 0 or an object of them per state")
+    if isinstance(comm, dict):
+        return Measurement(plan, float(step_s), m, {str(k): float(v) for k, v in comm.items()})
     return Measurement(plan, float(step_s), m, None if comm is None else float(comm))
 
 
@@ -176,14 +183,12 @@ def read_tensorboard(directory: Path) -> CalibrationRun:
     steps = {e.step: e.value for e in events.Scalars(MEASURED_TAG) if e.step > WARMUP_STEPS}
     if not steps:
         raise PlannerError(f"'{found[0].parent}' has no measured step after the first {WARMUP_STEPS} (warm-up)")
-    exposed = [t for t in tags if t.startswith(EXPOSED_PREFIX)]
-    comm_by_step: dict[int, float] = {}
-    for tag in exposed:
-        for e in events.Scalars(tag):
-            if e.step in steps:
-                comm_by_step[e.step] = comm_by_step.get(e.step, 0.0) + e.value
-    comm = statistics.median(comm_by_step.values()) if comm_by_step else None
-    run.measurements = [Measurement(run.plan, statistics.median(steps.values()), None, comm)]
+    comm = {}
+    for tag in tags:
+        values = [e.value for e in events.Scalars(tag) if e.step in steps] if tag.startswith(EXPOSED_PREFIX) else []
+        if values:
+            comm[tag[len(EXPOSED_PREFIX):]] = statistics.median(values)
+    run.measurements = [Measurement(run.plan, statistics.median(steps.values()), None, comm or None)]
     return run
 
 
@@ -210,49 +215,82 @@ def predict(run: CalibrationRun, hardware: HardwareSpec, m: Measurement) -> Plan
     return evaluate(plan, run.model, cluster, training)
 
 
+FITTED = ("efficiency", "inter_bw", "intra_bw")  # in the order they are tried
+NOISE_FLOOR = 0.05  # share of the step added to exposed seconds before comparing their logarithms
+
+
+def _exposed(cost: PlanCost, comm: float | dict[str, float]) -> list[float]:
+    """The prediction of a row's measured exposed communication: the total, or per state."""
+    if isinstance(comm, dict):
+        return [cost.exposed_state_s.get(state, 0.0) for state in sorted(comm)]
+    return [sum(cost.exposed_state_s.values())]
+
+
 def _observations(run: CalibrationRun, hardware: HardwareSpec) -> list[float]:
     """Predicted values in the order of :func:`_measured`: each step time, then its
-    exposed communication where that was measured."""
+    exposed communication (total or per state) where that was measured."""
     out = []
     for m in run.measurements:
         cost = predict(run, hardware, m)
         out.append(cost.step_s)
-        if m.comm_exposed_s:
-            out.append(sum(cost.exposed_s.values()))
+        if m.comm_exposed_s is not None:
+            out += _exposed(cost, m.comm_exposed_s)
     return out
 
 
-def _measured(run: CalibrationRun) -> list[float]:
-    out = []
+def _measured(run: CalibrationRun) -> tuple[list[float], list[float]]:
+    """Measured values and the seconds added to each before the logarithm: exposed
+    seconds well under that are the step's noise, and a fully hidden prediction has
+    no logarithm of its own."""
+    values, floors = [], []
     for m in run.measurements:
-        out.append(m.step_s)
-        if m.comm_exposed_s:
-            out.append(m.comm_exposed_s)
-    return out
+        values.append(m.step_s)
+        floors.append(0.0)
+        if m.comm_exposed_s is not None:
+            comm = m.comm_exposed_s
+            values += [comm[k] for k in sorted(comm)] if isinstance(comm, dict) else [comm]
+            floors += [NOISE_FLOOR * m.step_s] * (len(values) - len(floors))
+    return values, floors
 
 
-def _with(base: HardwareSpec, x: tuple[float, float]) -> HardwareSpec:
-    return dataclasses.replace(base, efficiency=math.exp(x[0]), inter_bw=math.exp(x[1]))
+def _logs(values: list[float], floors: list[float]) -> list[float]:
+    return [math.log(v + f) for v, f in zip(values, floors)]
 
 
-def _bandwidth_identifiable(run: CalibrationRun, base: HardwareSpec, x0: tuple[float, float]) -> tuple[bool, str]:
-    """Whether the measurements move with the bandwidth in a way the efficiency cannot
-    mimic: the log-sensitivity columns must not be (nearly) parallel."""
+def _with(base: HardwareSpec, x: dict[str, float]) -> HardwareSpec:
+    """``base`` with the fitted fields set from their logarithms in ``x``."""
+    return dataclasses.replace(base, **{k: math.exp(v) for k, v in x.items()})
+
+
+def _identifiable(run: CalibrationRun, base: HardwareSpec, x0: dict[str, float]) -> tuple[list[str], str]:
+    """The fields the measurements determine: the efficiency, then each bandwidth whose
+    log-sensitivity column is large enough and not (nearly) in the span of the columns
+    already taken, i.e. moves the measurements in a way the others cannot mimic."""
     h = math.log(1.25)
-    y0 = [math.log(v) for v in _observations(run, _with(base, x0))]
-    cols = []
-    for dx in ((h, 0.0), (0.0, h)):
-        y = [math.log(v) for v in _observations(run, _with(base, (x0[0] + dx[0], x0[1] + dx[1])))]
-        cols.append([(a - b) / h for a, b in zip(y, y0)])
-    e, b = cols
-    nb, ne = math.hypot(*b), math.hypot(*e)
-    if nb < 1e-2:
-        return False, "the measured plans send too little across nodes to tell the inter-node bandwidth"
-    cos = sum(p * q for p, q in zip(e, b)) / (ne * nb) if ne else 1.0
-    if math.sqrt(max(0.0, 1 - cos * cos)) < MIN_SEPARATION:
-        return False, ("one step time cannot separate slower compute from a slower network: kept the start bandwidth; "
-                       "measure a second plan, or the exposed communication, to fit it")
-    return True, "fitted to the measured plans' inter-node traffic"
+    floors = _measured(run)[1]
+    y0 = _logs(_observations(run, _with(base, x0)), floors)
+    taken: list[list[float]] = []  # orthonormal basis of the fitted fields' columns
+    fitted, notes = [], []
+    for name in FITTED:
+        y = _logs(_observations(run, _with(base, {**x0, name: x0[name] + h})), floors)
+        col = [(a - b) / h for a, b in zip(y, y0)]
+        norm = math.sqrt(sum(c * c for c in col))
+        for q in taken:
+            dot = sum(c * e for c, e in zip(col, q))
+            col = [c - dot * e for c, e in zip(col, q)]
+        rest = math.sqrt(sum(c * c for c in col))
+        link = "inter-node" if name == "inter_bw" else "intra-node"
+        if name != "efficiency" and norm < 1e-2:
+            notes.append(f"{name}: the measured plans send too little on {link} links to tell its bandwidth")
+        elif name != "efficiency" and rest < MIN_SEPARATION * norm:
+            notes.append(f"{name}: the measurements cannot separate it from {' and '.join(fitted)}: kept the start value; "
+                         "measure another plan, or its exposed communication per state, to fit it")
+        else:
+            fitted.append(name)
+            taken.append([c / rest for c in col])
+            if name != "efficiency":
+                notes.append(f"{name}: fitted to the measured plans' {link} traffic")
+    return fitted, "; ".join(notes)
 
 
 def _scan(f: Callable[[float], float], lo: float, hi: float, points: int = 13) -> float:
@@ -300,39 +338,38 @@ def _nelder_mead(f: Callable[[tuple[float, ...]], float], x0: tuple[float, ...],
 
 
 def fit(run: CalibrationRun) -> Calibration:
-    """Fit efficiency (always) and inter-node bandwidth (when identifiable) to ``run``."""
+    """Fit the efficiency (always) and each bandwidth the measurements determine."""
     if not run.measurements:
         raise PlannerError("no measurements to calibrate from")
     base = run.cluster.hardware
-    measured = [math.log(v) for v in _measured(run)]
-
-    def loss(x: tuple[float, float]) -> float:
-        predicted = _observations(run, _with(base, x))
-        return sum((math.log(p) - m) ** 2 for p, m in zip(predicted, measured))
-
+    values, floors = _measured(run)
+    measured = _logs(values, floors)
     lo_e, hi_e = (math.log(v) for v in EFFICIENCY_RANGE)
-    x = (min(max(math.log(base.efficiency), lo_e), hi_e), math.log(base.inter_bw))
-    fit_bw, note = (False, "a single node has no inter-node traffic") if run.cluster.nodes <= 1 else _bandwidth_identifiable(run, base, x)
-    lo_b, hi_b = x[1] - math.log(BANDWIDTH_RANGE), x[1] + math.log(BANDWIDTH_RANGE)
+    start = {"efficiency": min(max(math.log(base.efficiency), lo_e), hi_e), "inter_bw": math.log(base.inter_bw), "intra_bw": math.log(base.intra_bw)}
+    names, note = _identifiable(run, base, start)
+    ranges = {k: (lo_e, hi_e) if k == "efficiency" else (v - math.log(BANDWIDTH_RANGE), v + math.log(BANDWIDTH_RANGE)) for k, v in start.items()}
 
-    def clamp(y: tuple[float, ...]) -> tuple[float, float]:
-        return min(max(y[0], lo_e), hi_e), min(max(y[1], lo_b), hi_b) if fit_bw else x[1]
+    def loss(x: dict[str, float]) -> float:
+        return sum((p - q) ** 2 for p, q in zip(_logs(_observations(run, _with(base, x)), floors), measured))
+
+    def clamp(y: tuple[float, ...]) -> dict[str, float]:
+        return {**start, **{k: min(max(v, ranges[k][0]), ranges[k][1]) for k, v in zip(names, y)}}
 
     def bounded(y: tuple[float, ...]) -> float:  # outside the ranges: the loss at the edge, plus a slope back in
-        e, b = clamp(y)
-        return loss((e, b)) + abs(e - y[0]) + (abs(b - y[1]) if fit_bw else 0.0)
+        x = clamp(y)
+        return loss(x) + sum(abs(x[k] - v) for k, v in zip(names, y))
 
-    if fit_bw:
-        b0 = _scan(lambda b: min(loss((e, b)) for e in (lo_e, x[0], hi_e)), lo_b, hi_b)
-        start = (_scan(lambda e: loss((e, b0)), lo_e, hi_e), b0)
-    else:
-        start = (_scan(lambda e: loss((e, x[1])), lo_e, hi_e),)
-    best = _nelder_mead(bounded, start, 0.2)
-    x = clamp(best)
+    # A start that the cost model's kinks cannot trap: scan each field in turn, the
+    # bandwidths first (each at the best of a low, the start and a high efficiency).
+    x = dict(start)
+    for k in names[1:]:
+        x[k] = _scan(lambda v: min(loss({**x, k: v, "efficiency": e}) for e in (lo_e, x["efficiency"], hi_e)), *ranges[k])
+    x["efficiency"] = _scan(lambda v: loss({**x, "efficiency": v}), lo_e, hi_e)
+    x = clamp(_nelder_mead(bounded, tuple(x[k] for k in names), 0.2))
     name = base.name if base.name.endswith("(calibrated)") else f"{base.name} (calibrated)"
-    fitted = dataclasses.replace(base, name=name, efficiency=math.exp(x[0]), inter_bw=math.exp(x[1]) if fit_bw else base.inter_bw)
+    fitted = dataclasses.replace(_with(base, {k: x[k] for k in names}), name=name)
     return Calibration(
-        fitted, ["efficiency", "inter_bw"] if fit_bw else ["efficiency"], note,
+        fitted, names, note,
         [predict(run, base, m).step_s for m in run.measurements], [predict(run, fitted, m).step_s for m in run.measurements],
     )
 
@@ -344,8 +381,9 @@ def report(run: CalibrationRun, cal: Calibration) -> str:
     lines = [
         f"calibrated {base.name} on {c.gpus} ranks ({c.nodes} nodes x {c.gpus_per_node}) from {len(run.measurements)} measured step time(s)",
         f"  efficiency {base.efficiency:.3f} -> {hw.efficiency:.3f}",
-        f"  inter_bw   {base.inter_bw / 1e9:.4g} -> {hw.inter_bw / 1e9:.4g} GB/s per node"
-        + ("" if "inter_bw" in cal.fitted else f" (not fitted: {cal.note})"),
+        f"  inter_bw   {base.inter_bw / 1e9:.4g} -> {hw.inter_bw / 1e9:.4g} GB/s per node",
+        f"  intra_bw   {base.intra_bw / 1e9:.4g} -> {hw.intra_bw / 1e9:.4g} GB/s per rank",
+        f"  ({cal.note})",
         f"  {'plan':<22} {'M':>3} {'measured s':>11} {'before s':>9} {'after s':>9} {'error':>7}",
     ]
     for m, before, after in zip(run.measurements, cal.before, cal.after):
@@ -361,7 +399,7 @@ class _Parser(argparse.ArgumentParser):
 
 def run_calibrate(argv: list[str]) -> int:
     """``lins-plan calibrate INPUT -o FILE``: fit, print the report, write the hardware file."""
-    p = _Parser(prog="lins-plan calibrate", description="Fit the device efficiency and inter-node bandwidth to measured "
+    p = _Parser(prog="lins-plan calibrate", description="Fit the device efficiency and the bandwidths to measured "
                 "step times and write a hardware file for --hardware-file / [lins] hardware_file.")
     p.add_argument("input", help=f"a torchtitan TensorBoard directory (with its {RUN_FILE}) or a '{FORMAT}' JSON file")
     p.add_argument("-o", "--output", required=True, help="hardware file to write ('lins-hardware/1' JSON)")

@@ -74,6 +74,7 @@ class PlanCost:
     compute_s: dict[str, float]  # per step: forward, backward (incl. recompute), step (optimizer), each with its local copies
     comm_s: dict[str, float]  # per step, raw time of each phase's collectives
     exposed_s: dict[str, float]  # per step, the part not hidden behind compute
+    exposed_state_s: dict[str, float]  # the same Lins/FSDP2 seconds by state (params, grads, optim); TP's are not a state
     step_s: float
     mfu: float
     tokens_per_s: float  # whole cluster
@@ -131,7 +132,7 @@ def evaluate(
     def collectives(of_units, microbatches: int, norm: bool) -> list[CollectiveRecord]:
         return step_collectives(
             plan, of_units, world_size=cluster.dp_ranks, ranks_per_node=cluster.dp_per_node, microbatches=microbatches,
-            param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, clip_grad_norm=norm,
+            param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, clip_grad_norm=norm, tp=cluster.tp,
         )
 
     def seconds(record: CollectiveRecord) -> float:
@@ -172,13 +173,16 @@ def evaluate(
     compute["forward"] += hooks / 3
     compute["backward"] += 2 * hooks / 3
 
-    exposed = _exposed(records, record_s, record_phase, issuer, compute, m, training, _first_unit_chains(collectives, seconds, units))
+    exposed, exposed_state = _exposed(records, record_s, record_phase, issuer, compute, m, training, _first_unit_chains(collectives, seconds, units))
     for phase, seconds_tp in tensor_parallel_seconds(model, cluster, training, timer, m).items():
         comm[phase] += seconds_tp
         exposed[phase] += seconds_tp
     step_s = sum(compute.values()) + sum(exposed.values())
     mfu = flops / (step_s * hw.peak_flops)
-    return PlanCost(plan, m, memory, cluster.memory_budget, compute, comm, exposed, step_s, mfu, tokens * cluster.dp_ranks / step_s, records, record_s, record_phase)
+    return PlanCost(
+        plan, m, memory, cluster.memory_budget, compute, comm, exposed, exposed_state, step_s, mfu, tokens * cluster.dp_ranks / step_s,
+        records, record_s, record_phase,
+    )
 
 
 def tensor_parallel_seconds(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, timer: CollectiveTimer, m: int) -> dict[str, float]:
@@ -210,48 +214,71 @@ def _first_unit_chains(collectives, seconds, units) -> tuple[float, float]:
     return reduce_s, gather_s
 
 
-def _exposed(records, record_s, record_phase, issuer, compute, m: int, training: TrainingSpec, first_unit: tuple[float, float]) -> dict[str, float]:
-    """The part of each phase's communication that does not hide behind compute."""
-    fsdp = {phase: 0.0 for phase in PHASES}
-    fsdp_calls = {phase: 0 for phase in PHASES}
-    grad_shard = reductions = gathers = norm = 0.0
+def _exposed(records, record_s, record_phase, issuer, compute, m: int, training: TrainingSpec,
+             first_unit: tuple[float, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """The part of each phase's communication that does not hide behind compute, and the
+    same seconds by the state the collectives move (what Lins' stats measure: a run's
+    exposed time per state calibrates the links separately); a term that collectives of
+    several states share is split in proportion to their seconds."""
+    fsdp: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}
+    fsdp_calls = dict.fromkeys(PHASES, 0)
+    grad_shard = 0.0
+    norm: dict[str, float] = {}
+    gathers: dict[str, float] = {}
+    reductions: dict[str, float] = {}
     for r, t, phase, who in zip(records, record_s, record_phase, issuer):
         if who == "fsdp2":
-            fsdp[phase] += t
+            part = fsdp[phase]
             fsdp_calls[phase] += r.count
         elif r.name == GRAD_SHARD_REDUCE_SCATTER.name:
             grad_shard += t
+            continue
         elif r.name == GRAD_NORM_ALL_REDUCE.name:
-            norm += t
+            part = norm
         elif r.op.value == "all_gather":
-            gathers += t
+            part = gathers
         else:
-            reductions += t
-    if not training.overlap:
-        return {"forward": fsdp["forward"], "backward": fsdp["backward"] + grad_shard, "step": reductions + gathers + norm}
+            part = reductions
+        part[r.state] = part.get(r.state, 0.0) + t
+    by_state: dict[str, float] = {}
 
-    exposed = {"step": norm}
+    def charge(seconds: float, parts: dict[str, float]) -> float:
+        total = sum(parts.values())
+        for state, t in parts.items():
+            by_state[state] = by_state.get(state, 0.0) + (seconds * t / total if total else 0.0)
+        return seconds
+
+    grads = GRAD_SHARD_REDUCE_SCATTER.state
+    if not training.overlap:
+        exposed = {phase: charge(sum(fsdp[phase].values()), fsdp[phase]) for phase in ("forward", "backward")}
+        exposed["backward"] += charge(grad_shard, {grads: grad_shard})
+        exposed["step"] = sum(charge(sum(part.values()), part) for part in (reductions, gathers, norm))
+        return exposed, by_state
+
+    exposed = {"step": charge(sum(norm.values()), norm)}
     for phase in ("forward", "backward"):
+        raw = sum(fsdp[phase].values())
         hidden = training.overlap_fraction * compute[phase]
-        first = fsdp[phase] / fsdp_calls[phase] * m if fsdp_calls[phase] else 0.0  # one unhidden collective per micro-batch
-        exposed[phase] = max(fsdp[phase] - hidden, min(first, fsdp[phase]))
+        first = raw / fsdp_calls[phase] * m if fsdp_calls[phase] else 0.0  # one unhidden collective per micro-batch
+        exposed[phase] = charge(max(raw - hidden, min(first, raw)), fsdp[phase])
     # Lins' chains hide behind compute while FSDP2's collectives do not hold the links.
     lins = training.lins_overlap_fraction
-    forward_room = max(0.0, (lins * compute["forward"] - fsdp["forward"]) / m)
-    backward_room = max(0.0, (lins * compute["backward"] - fsdp["backward"]) / m)
+    forward_room = max(0.0, (lins * compute["forward"] - sum(fsdp["forward"].values())) / m)
+    backward_room = max(0.0, (lins * compute["backward"] - sum(fsdp["backward"].values())) / m)
     # Micro-batches but the last: their G-level reduce-scatter runs until the same unit's
     # next gradient, behind the rest of that backward and the next forward.
     per_microbatch = grad_shard / m
-    exposed["backward"] += (m - 1) * max(0.0, per_microbatch - backward_room - forward_room)
+    exposed["backward"] += charge((m - 1) * max(0.0, per_microbatch - backward_room - forward_room), {grads: 1.0})
     # The last micro-batch's G-level reduce-scatter heads its units' reduction chains.
-    reductions += per_microbatch
+    chain = {**reductions, grads: reductions.get(grads, 0.0) + per_microbatch}
+    chain_s, gathers_s = sum(chain.values()), sum(gathers.values())
     first_reduce, first_gather = first_unit
     if training.reduce_in_backward:
-        exposed["step"] += max(min(first_reduce, reductions), reductions - backward_room)
+        exposed["step"] += charge(max(min(first_reduce, chain_s), chain_s - backward_room), chain)
     else:
-        exposed["step"] += reductions
+        exposed["step"] += charge(chain_s, chain)
     if training.overlap_step:
-        exposed["step"] += max(min(first_gather, gathers), gathers - forward_room)
+        exposed["step"] += charge(max(min(first_gather, gathers_s), gathers_s - forward_room), gathers)
     else:
-        exposed["step"] += gathers
-    return exposed
+        exposed["step"] += charge(gathers_s, gathers)
+    return exposed, by_state

@@ -59,6 +59,9 @@ class HardwareSpec:
     # queued kernels; on CPUs, where the host is the device, it adds up.
     unit_overhead_s: float = 0.0
     replicated_unit_overhead_s: float = 0.0
+    # gloo reduce-scatters by all-reducing a copy of the whole buffer and keeping its
+    # shard (ProcessGroupGloo::reduce_scatter_tensor_coalesced): an all-reduce's time.
+    reduce_scatter_is_all_reduce: bool = False
 
     @property
     def copy_bandwidth(self) -> float:
@@ -79,10 +82,11 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h200": dataclasses.replace(_H100, name="h200", memory_bytes=141 * GiB, hbm_bw=4.8e12),
     # The benchmark's emulated cluster: gloo over loopback inside a "node", a tbf
     # rate-limited veth (default 400 Mbit/s) between nodes, all on one 24 GiB host;
-    # gloo has no tree all-reduce.
+    # gloo has no tree all-reduce and reduce-scatters by all-reducing.
     "cpu-emulated": HardwareSpec(
         "cpu-emulated", 2, 24 * GiB, 30e9, 0.35 * GB, 400e6 / 8, 10e9,
         alpha_intra=50e-6, alpha_inter=200e-6, tree_alpha=math.inf, efficiency=0.5, reserved_bytes=0.3 * GiB, memory_shared_by_world=True,
+        reduce_scatter_is_all_reduce=True,
     ),
 }
 
