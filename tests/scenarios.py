@@ -25,7 +25,7 @@ from lins_dtensor import (
 )
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import state_memory_bytes, step_collectives
-from tiny_llama import Block, batch, build_model, loss_fn
+from tiny_llama import Block, batch, build_model, loss_fn, tensor_parallelize
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-2, 0.1, 0.5
 
@@ -62,20 +62,25 @@ def train_lins(configs: list[dict]) -> list[dict]:
     """Each config: plan, microbatches, steps, ranks_per_node; optional param_dtype,
     model_kwargs, clip (default True), max_inflight_bytes, units ("Block": by class), init
     ("meta": built on the meta device, to_empty, then loaded; "assign": loaded with
-    load_state_dict(assign=True) after apply_lins), and how Lins learns which
+    load_state_dict(assign=True) after apply_lins), tp (tensor-parallel degree: the model
+    is parallelised with torchtitan's plan on the Lins mesh's TP dim first, and TP ranks
+    share their data-parallel rank's batches), and how Lins learns which
     micro-batch is the last: mode "explicit" (default: set_requires_gradient_sync before
     each micro-batch, True on the last one only with reduce_in_backward), "told"
     (set_gradient_accumulation_steps(told_steps or M) once) or "learned" (nothing)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
-        plan = LinsPlan.parse(cfg["plan"], world)
+        tp = cfg.get("tp", 1)
+        plan = LinsPlan.parse(cfg["plan"], world // tp)
         init = cfg.get("init")  # None, "meta" (to_empty, then a full state dict) or "assign"
         with torch.device("meta") if init == "meta" else contextlib.nullcontext():
             model = build_model(**cfg.get("model_kwargs", {}))
         reference = build_model(**cfg.get("model_kwargs", {}))  # the same values, unsharded
         frozen_before = reference.pos.detach().clone()
-        mesh = build_lins_mesh(plan, ranks_per_node=cfg["ranks_per_node"], device_type="cpu")
+        mesh = build_lins_mesh(plan, ranks_per_node=cfg["ranks_per_node"], device_type="cpu", tp=tp)
+        if tp > 1:
+            tensor_parallelize(model, mesh.tp_mesh())
         param_dtype = cfg.get("param_dtype")
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                    max_inflight_bytes=cfg.get("max_inflight_bytes"), units=Block if cfg.get("units") == "Block" else None)
@@ -94,7 +99,7 @@ def train_lins(configs: list[dict]) -> list[dict]:
                 for mb in range(mbs):
                     if mode == "explicit":
                         set_requires_gradient_sync(model, reduce_in_backward and mb == mbs - 1)
-                    (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
+                    (loss_fn(model, batch(step, rank // tp, mb)) / mbs).backward()
                 if clip:
                     clip_grad_norm_(model, MAX_NORM)
                 opt.step()
@@ -105,8 +110,8 @@ def train_lins(configs: list[dict]) -> list[dict]:
         stats = lins_stats(model)
         pdt = param_dtype or torch.float32
         expected = step_collectives(
-            plan, state.schedule(), world_size=world, ranks_per_node=cfg["ranks_per_node"], microbatches=mbs,
-            param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, clip_grad_norm=clip,
+            plan, state.schedule(), world_size=world // tp, ranks_per_node=cfg["ranks_per_node"] // tp, microbatches=mbs,
+            param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, clip_grad_norm=clip, tp=tp,
         )
         counted = Counter(_record_key(r) for r in stats.collectives)
         predicted = Counter()
@@ -141,7 +146,8 @@ def train_lins(configs: list[dict]) -> list[dict]:
 
 
 def train_fsdp(configs: list[dict]) -> list[dict]:
-    """FSDP2 (shard == world) or HSDP (shard < world) with the same model, data and optimizer.
+    """FSDP2 (shard == world / tp) or HSDP (shard smaller) with the same model, data and
+    optimizer; with ``tp`` > 1 on torchtitan's 2-D (dp, tp) mesh after the TP plan.
 
     Collectives are counted with the same recording comm objects Lins gives FSDP2,
     and HSDP's all-reduce through FSDP2's all-reduce hook (it sees the reduced tensor).
@@ -152,9 +158,14 @@ def train_fsdp(configs: list[dict]) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
-        shard = cfg["shard"]
+        shard, tp = cfg["shard"], cfg.get("tp", 1)
+        dp = world // tp
         model = build_model(**cfg.get("model_kwargs", {}))
-        if shard == world:
+        if tp > 1:
+            world_mesh = init_device_mesh("cpu", (dp // shard, shard, tp), mesh_dim_names=("replicate", "shard", "tp"))
+            tensor_parallelize(model, world_mesh["tp"])
+            mesh = world_mesh["shard"] if shard == dp else world_mesh["replicate", "shard"]
+        elif shard == world:
             mesh = init_device_mesh("cpu", (world,))
         else:
             mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
@@ -167,7 +178,7 @@ def train_fsdp(configs: list[dict]) -> list[dict]:
             m.set_custom_all_gather(LinsAllGather(recorder))
             m.set_custom_reduce_scatter(LinsReduceScatter(recorder))
             m.set_force_sum_reduction_for_comms(True)
-            if shard != world and any(True for _ in m.parameters(recurse=False)) or (m is not model and shard != world):
+            if shard != dp and any(True for _ in m.parameters(recurse=False)) or (m is not model and shard != dp):
                 group = mesh.get_group("replicate")
                 m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -175,7 +186,7 @@ def train_fsdp(configs: list[dict]) -> list[dict]:
         mbs = cfg["microbatches"]
         for step in range(cfg["steps"]):
             for mb in range(mbs):
-                (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
+                (loss_fn(model, batch(step, rank // tp, mb)) / mbs).backward()
             torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
             opt.step()
             opt.zero_grad()

@@ -10,6 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 
 class Attention(nn.Module):
@@ -23,11 +32,12 @@ class Attention(nn.Module):
         self.head_gain = nn.Parameter(torch.ones(n_heads))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
+        b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        q = q * self.head_gain.view(1, -1, 1, 1)
+        gain = self.head_gain.to_local() if isinstance(self.head_gain, DTensor) else self.head_gain  # this rank's heads
+        q = q * gain.view(1, -1, 1, 1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -85,6 +95,40 @@ class TinyLlama(nn.Module):
         for layer in trunk.layers:
             x = layer(x)
         return self.output(trunk.norm(x))
+
+
+def tensor_parallelize(model: TinyLlama, tp_mesh: DeviceMesh) -> TinyLlama:
+    """torchtitan's LLaMA TP plan on the tiny model: column-parallel q/k/v, w1/w3 and
+    output head, row-parallel wo/w2 and embedding, sequence-parallel norms (replicated
+    weights whose gradients come out Partial), the per-head gain sharded with its heads.
+    The embedding's output stays whole so the frozen positional table can be added to it;
+    the blocks then run on sequence shards, as torchtitan's do."""
+    tp = tp_mesh.size()
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+        attention = block.attention
+        attention.n_heads //= tp
+        gain = attention.head_gain
+        attention.head_gain = nn.Parameter(distribute_tensor(gain.detach(), tp_mesh, [Shard(0)]), requires_grad=gain.requires_grad)
+    return model
 
 
 def build_model(seed: int = 0, **kwargs) -> TinyLlama:

@@ -8,6 +8,24 @@ a sub-chunk of its G shard, itself a sub-chunk of its P shard. Each state then m
 between layouts with one reduce-scatter / all-gather over one mesh dim, no data
 shuffling. Along every single dim ranks increase, so each dim's process group has the
 rank order DTensor expects.
+
+With tensor parallelism of degree k (``tp=k``) the mesh gains a ``tp`` dim: TP groups
+are k consecutive ranks (inside a node), ``rank = dp_rank*k + t``, and the four dims
+above decompose ``dp_rank`` as before, so Lins' groups are made of the data-parallel
+ranks that hold the same TP slice and still fill a node before they span nodes. ``tp``
+comes *first* in the mesh's dim order (it is innermost in rank order): a parameter
+that TP shards on dim 0 (a column-parallel weight) is then chunked by TP first and its
+TP slice chunked by P, G and OS, which is how each rank holds it, and plain
+``Shard`` placements on this mesh describe that nesting exactly, uneven sizes included.
+FSDP2 describes the same layout on its own (param_shard, tp) mesh with
+``_StridedShard``; Lins' masters need no strided placement this way.
+
+    world 8 = 2 nodes x 4 ranks, tp=2, plan p=2,g=2,os=4 (4 data-parallel ranks):
+      rank       0 1 | 2 3 | 4 5 | 6 7     (node 0: ranks 0-3, node 1: ranks 4-7)
+      tp slice   0 1 | 0 1 | 0 1 | 0 1
+      dp_rank     0  |  1  |  2  |  3
+      P shard     0  |  1  |  0  |  1      (of the TP slice; P group inside a node)
+      OS shard   0.0 | 1.0 | 0.1 | 1.1     (half of the P shard; OS group spans the nodes)
 """
 
 from __future__ import annotations
@@ -29,11 +47,14 @@ PARAM_SHARD = "param_shard"  # s_p ranks holding one parameter each
 GRAD_SHARD = "grad_shard"  # s_g / s_p: how much finer G is than P
 OPTIM_SHARD = "optim_shard"  # s_os / s_g: how much finer OS is than G
 MESH_DIMS = (OPTIM_REPLICA, PARAM_SHARD, GRAD_SHARD, OPTIM_SHARD)
+TENSOR_PARALLEL = "tp"  # the TP group: k consecutive ranks; first in the dim order when k > 1
 
 
 @dataclasses.dataclass(frozen=True)
 class LinsMesh:
-    """A 4-D DeviceMesh for one plan, plus the node size used to tell links apart."""
+    """The DeviceMesh of one plan: the four data-parallel dims (MESH_DIMS), led by a
+    ``tp`` dim under tensor parallelism; plus the node size (ranks of the job) used to
+    tell links apart."""
 
     device_mesh: DeviceMesh
     plan: LinsPlan
@@ -41,20 +62,32 @@ class LinsMesh:
 
     @property
     def world_size(self) -> int:
+        """Every rank of the job, TP ranks included."""
         return self.device_mesh.size()
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1: no TP dim)."""
+        names = self.device_mesh.mesh_dim_names or ()
+        return self.device_mesh.size(names.index(TENSOR_PARALLEL)) if TENSOR_PARALLEL in names else 1
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks, which the plan's factors count."""
+        return self.world_size // self.tp
 
     @property
     def device_type(self) -> str:
         return self.device_mesh.device_type
 
     def size(self, dim: str) -> int:
-        return self.device_mesh.size(MESH_DIMS.index(dim))
+        return self.device_mesh.size(self.device_mesh.mesh_dim_names.index(dim))
 
     def coordinate(self, dim: str) -> int:
         """This rank's index along ``dim``."""
         coords = self.device_mesh.get_coordinate()
         assert coords is not None, "this rank is not part of the Lins mesh"
-        return coords[MESH_DIMS.index(dim)]
+        return coords[self.device_mesh.mesh_dim_names.index(dim)]
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.device_mesh.get_group(dim)
@@ -64,12 +97,26 @@ class LinsMesh:
         for a peer before it fails: a stopped or dead rank then ends the job with an
         error that names the collective instead of hanging."""
         _check_timeout(timeout)
-        for dim in MESH_DIMS:
+        for dim in self.device_mesh.mesh_dim_names:
             set_group_timeout(self.group(dim), timeout)
 
     def param_mesh(self) -> DeviceMesh:
         """The 1-D mesh FSDP2 shards parameters on."""
         return self.device_mesh[PARAM_SHARD]
+
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh to tensor-parallelise the model on (``parallelize_module``)
+        before ``apply_lins``: a sub-mesh of this mesh, so that FSDP2 and the masters
+        can describe a parameter's TP and data-parallel sharding together."""
+        if self.tp == 1:
+            raise LinsPlanError("this Lins mesh has no tensor-parallel dim: build it with build_lins_mesh(..., tp=k)")
+        return self.device_mesh[TENSOR_PARALLEL]
+
+    def placements(self, state: str, tp_placement: Placement | None = None) -> tuple[Placement, ...]:
+        """The DTensor placements of ``state`` ("params", "grads" or "optim") of a
+        parameter on this mesh; ``tp_placement``: how TP shards it (None: replicated)."""
+        dp = placements(state)
+        return ((tp_placement or Replicate()), *dp) if self.tp > 1 else dp
 
 
 def _check_timeout(timeout: object) -> None:
@@ -78,13 +125,14 @@ def _check_timeout(timeout: object) -> None:
 
 
 def placements(state: str) -> tuple[Placement, ...]:
-    """The DTensor placements of ``state`` ("params", "grads" or "optim") on the mesh."""
+    """The DTensor placements of ``state`` ("params", "grads" or "optim") on the four
+    data-parallel dims (:meth:`LinsMesh.placements` adds the TP dim)."""
     sharded_dims = {"params": 1, "grads": 2, "optim": 3}[state]
     return tuple(Shard(0) if 0 < i <= sharded_dims else Replicate() for i in range(len(MESH_DIMS)))
 
 
 def mesh_shape(plan: LinsPlan, world_size: int) -> tuple[int, ...]:
-    """Sizes of the MESH_DIMS for ``plan``."""
+    """Sizes of the MESH_DIMS for ``plan`` over ``world_size`` data-parallel ranks."""
     return (world_size // plan.optim, plan.params, plan.grads // plan.params, plan.optim // plan.grads)
 
 
@@ -94,39 +142,55 @@ def build_lins_mesh(
     ranks_per_node: int | None = None,
     device_type: str | None = None,
     timeout: datetime.timedelta | None = None,
+    tp: int = 1,
 ) -> LinsMesh:
     """Validate ``plan`` and build its mesh (a collective: every rank must call it).
 
+    ``world_size`` and ``ranks_per_node`` count all ranks of the job and of a node;
     ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE`` (set by torchrun), else the
     world size; ``device_type`` to "cuda" when available, else "cpu". ``timeout``: how
     long the mesh's collectives wait for a peer (:meth:`LinsMesh.set_timeout`; default:
-    the process groups' own, 30 minutes for gloo and NCCL).
+    the process groups' own, 30 minutes for gloo and NCCL). ``tp``: the tensor-parallel
+    degree; TP groups are ``tp`` consecutive ranks inside a node, the plan's factors
+    count the ``world_size / tp`` data-parallel ranks, and :meth:`LinsMesh.tp_mesh` is
+    the mesh to parallelise the model on.
     """
     if timeout is not None:
         _check_timeout(timeout)  # before the mesh's collectives
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise LinsPlanError(f"tp={tp!r} must be a positive integer (the tensor-parallel degree)")
     if not dist.is_initialized():
         raise LinsPlanError("build_lins_mesh needs torch.distributed to be initialised first")
     actual_world = dist.get_world_size()
     world_size = actual_world if world_size is None else world_size
     if ranks_per_node is None:
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    plan.validate(world_size, ranks_per_node)
+    if ranks_per_node < 1 or ranks_per_node % tp:
+        raise LinsPlanError(f"tp={tp} must divide ranks_per_node={ranks_per_node}: a tensor-parallel group stays inside a node")
+    plan.validate(world_size // tp, ranks_per_node // tp, tp)
     if world_size != actual_world:
         raise LinsPlanError(
             f"world_size={world_size} does not match the {actual_world} ranks of the process group"
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    r, p, g, o = mesh_shape(plan, world_size)
-    # Rank order is (replica, optim, grad, param) outermost first; the mesh lists the
-    # dims as (replica, param, grad, optim) so that Shard(0) nests OS in G in P.
-    ranks = torch.arange(world_size).view(r, o, g, p).permute(0, 3, 2, 1).contiguous()
+    r, p, g, o = mesh_shape(plan, world_size // tp)
+    # Rank order is (replica, optim, grad, param, tp) outermost first; the mesh lists the
+    # dims as ([tp,] replica, param, grad, optim) so that Shard(0) nests OS in G in P in
+    # the TP slice.
+    ranks = torch.arange(world_size).view(r, o, g, p, tp).permute(4, 0, 3, 2, 1)
+    names = MESH_DIMS
+    if tp > 1:
+        names = (TENSOR_PARALLEL, *MESH_DIMS)
+    else:
+        ranks = ranks[0]
+    ranks = ranks.contiguous()
     # Every dim gets process groups of its own. DeviceMesh would reuse the default group
     # for a dim that spans the world, and Lins' chains issue on their groups when earlier
     # collectives complete, a moment that differs between ranks: sharing a group with
     # the program's own collectives (a loss all-reduce on the default group) would let
     # ranks issue them in different orders and hang. Naming the backend opts out.
     backend = dist.get_backend()
-    device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS, backend_override=((backend, None),) * len(MESH_DIMS))
+    device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=((backend, None),) * len(names))
     mesh = LinsMesh(device_mesh, plan, ranks_per_node)
     if timeout is not None:
         mesh.set_timeout(timeout)

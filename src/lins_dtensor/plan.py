@@ -75,20 +75,26 @@ class LinsPlan:
         return text
 
     # ----- the rules ----------------------------------------------------------------
-    def validate(self, world_size: int, ranks_per_node: int) -> None:
-        """Raise :class:`LinsPlanError` naming the first rule this plan breaks."""
+    def validate(self, world_size: int, ranks_per_node: int, tp: int = 1) -> None:
+        """Raise :class:`LinsPlanError` naming the first rule this plan breaks.
+
+        The factors count data-parallel ranks: with tensor parallelism of degree ``tp``
+        (groups of ``tp`` consecutive ranks inside a node), ``world_size`` and
+        ``ranks_per_node`` are the data-parallel ranks of the job and of one node, the
+        job's and node's ranks divided by ``tp``; the messages say so.
+        """
+        world_text = f"world_size={world_size}" if tp == 1 else f"the {world_size} data-parallel ranks (world_size / tp={tp})"
+        node_text = f"ranks_per_node={ranks_per_node}" if tp == 1 else f"the {ranks_per_node} data-parallel ranks per node (ranks_per_node / tp={tp})"
         if world_size < 1:
             raise LinsPlanError(f"world_size={world_size} must be >= 1")
         if ranks_per_node < 1 or world_size % ranks_per_node:
-            raise LinsPlanError(
-                f"ranks_per_node={ranks_per_node} must be >= 1 and divide world_size={world_size}"
-            )
+            raise LinsPlanError(f"{node_text} must be >= 1 and divide {world_text}")
         for state in STATES:
             value = getattr(self, state)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LinsPlanError(f"{state}={value!r} must be a positive integer sharding factor")
         if world_size % self.optim:
-            raise LinsPlanError(f"optim={self.optim} must divide world_size={world_size}")
+            raise LinsPlanError(f"optim={self.optim} must divide {world_text}")
         if self.grads % self.params or self.optim % self.grads:
             raise LinsPlanError(
                 f"factors must nest, params | grads | optim: got params={self.params}, "
@@ -98,7 +104,7 @@ class LinsPlan:
             value = getattr(self, state)
             if ranks_per_node % value and value % ranks_per_node:
                 raise LinsPlanError(
-                    f"{state}={value} must divide ranks_per_node={ranks_per_node} or be a multiple "
+                    f"{state}={value} must divide {node_text} or be a multiple "
                     "of it (a group fills a node before it spans nodes)"
                 )
         hpz = self.reshard_after_forward
@@ -110,14 +116,19 @@ class LinsPlan:
                 )
             if ranks_per_node % hpz and hpz % ranks_per_node:
                 raise LinsPlanError(
-                    f"reshard_after_forward={hpz} must divide ranks_per_node={ranks_per_node} "
+                    f"reshard_after_forward={hpz} must divide {node_text} "
                     "or be a multiple of it (a group fills a node before it spans nodes)"
+                )
+            if tp > 1:
+                raise LinsPlanError(
+                    f"reshard_after_forward={hpz} (hpZ) with tp={tp}: FSDP2 cannot re-shard tensor-parallel "
+                    "(DTensor) parameters to a smaller group after forward; use hpZ without tensor parallelism"
                 )
             if self.params != world_size:
                 # FSDP2 builds the re-shard groups from the parameter group's ranks only;
                 # with several parameter groups those group creations deadlock.
                 raise LinsPlanError(
-                    f"reshard_after_forward={hpz} needs params == world_size={world_size} "
+                    f"reshard_after_forward={hpz} needs params == {world_text} "
                     f"(got params={self.params}): hpZ re-sharding works with full parameter sharding only"
                 )
 

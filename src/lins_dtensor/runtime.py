@@ -35,10 +35,10 @@ from torch.distributed.tensor import DTensor
 from lins_dtensor.collectives import CommRecorder, CommStream
 from lins_dtensor.compat import fsdp_unit_params, queue_backward_callback
 from lins_dtensor.executor import Executor
-from lins_dtensor.mesh import MESH_DIMS, LinsMesh, mesh_shape
+from lins_dtensor.mesh import MESH_DIMS, TENSOR_PARALLEL, LinsMesh, mesh_shape
 from lins_dtensor.plan import LinsPlan, LinsPlanError
 from lins_dtensor.schedule import UnitSchedule, default_max_inflight_bytes
-from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams
+from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
 
 _STATE_ATTR = "_lins_state"
 
@@ -321,7 +321,7 @@ def resolve_units(model: nn.Module, units: Iterable[nn.Module] | type | tuple[ty
     return chosen
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_model(model: nn.Module, mesh: LinsMesh) -> None:
     if hasattr(model, _STATE_ATTR):
         raise LinsPlanError("apply_lins was already applied to this model; apply it once")
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -331,7 +331,19 @@ def _check_model(model: nn.Module) -> None:
             raise LinsPlanError(f"module '{name or '<root>'}' is already sharded by FSDP; apply_lins replaces fully_shard, do not combine them")
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
-            raise LinsPlanError(f"parameter '{name}' is already a DTensor; Lins does not compose with tensor parallelism yet")
+            if mesh.tp == 1:
+                raise LinsPlanError(
+                    f"parameter '{name}' is a DTensor (tensor parallelism?) but the Lins mesh has no TP dim: "
+                    "build it with build_lins_mesh(plan, ..., tp=k) and parallelise the model on mesh.tp_mesh()"
+                )
+            if param.device_mesh != mesh.tp_mesh():
+                raise LinsPlanError(
+                    f"parameter '{name}' is a DTensor on {param.device_mesh}, not on the Lins mesh's '{TENSOR_PARALLEL}' "
+                    "dim: parallelise the model on mesh.tp_mesh() before apply_lins"
+                )
+            if param.placements[0].is_partial():
+                raise LinsPlanError(f"parameter '{name}' is a Partial DTensor; tensor parallelism must shard or replicate parameters")
+            param = param.to_local()
         if type(param) not in (nn.Parameter, torch.Tensor):
             raise LinsPlanError(
                 f"parameter '{name}' is a {type(param).__name__} tensor subclass (float8 training, torchtitan's "
@@ -358,28 +370,35 @@ def apply_lins(
     ``reduce_dtype`` the dtype gradients are reduced and accumulated in (G, default
     fp32); the optimizer's masters are ``master_dtype``: by default the model's dtype,
     or fp32 for a model built in bf16 / fp16 (an optimizer in half precision loses
-    updates smaller than its rounding). Gradients are averaged over all
-    ranks (``gradient_divide_factor`` = world size) unless another factor is given,
-    e.g. 1.0 to sum them. ``units`` are the modules to shard separately: a list of
+    updates smaller than its rounding). Gradients are averaged over the data-parallel
+    ranks (``gradient_divide_factor`` = their number, the world size without TP) unless
+    another factor is given, e.g. 1.0 to sum them. ``units`` are the modules to shard separately: a list of
     modules, a block class (or tuple of classes: every outermost module of it), or None
     for :func:`default_units`; the model itself is always the root unit, and holds the
     parameters no unit does (tied weights among them).
     ``max_inflight_bytes`` bounds the transient buffers of Lins' collectives in flight
     (default: twice the largest unit's).
+
+    Tensor parallelism: with a mesh built with ``tp=k``, first parallelise the model on
+    ``mesh.tp_mesh()`` (torchtitan's TP plan or any ``parallelize_module`` plan); Lins
+    then shards each rank's TP slice of every DTensor parameter under the plan. Plain
+    parameters of such a model must be computed identically on the TP ranks (as FSDP2
+    assumes): their gradients are not summed over the TP group.
     """
     if not isinstance(mesh, LinsMesh):
         raise LinsPlanError("mesh must come from build_lins_mesh(plan, ...), not a plain DeviceMesh")
     plan = mesh.plan if plan is None else plan
     if plan != mesh.plan:
         raise LinsPlanError(f"the mesh was built for plan '{mesh.plan}' but apply_lins got plan '{plan}'")
-    expected = mesh_shape(plan, mesh.world_size)
-    if tuple(mesh.device_mesh.shape) != expected or mesh.device_mesh.mesh_dim_names != MESH_DIMS:
+    expected = ((mesh.tp,) if mesh.tp > 1 else ()) + mesh_shape(plan, mesh.dp_world_size)
+    dims = ((TENSOR_PARALLEL,) if mesh.tp > 1 else ()) + MESH_DIMS
+    if tuple(mesh.device_mesh.shape) != expected or mesh.device_mesh.mesh_dim_names != dims:
         raise LinsPlanError(f"mesh shape {tuple(mesh.device_mesh.shape)} does not match plan '{plan}' (expected {expected})")
     if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
         raise LinsPlanError(f"master_dtype={master_dtype!r} must be a floating-point torch.dtype or None")
     if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0):
         raise LinsPlanError(f"max_inflight_bytes={max_inflight_bytes!r} must be a non-negative integer or None")
-    _check_model(model)
+    _check_model(model, mesh)
     unit_list = resolve_units(model, units)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params = dict(model.named_parameters())
@@ -403,20 +422,25 @@ def apply_lins(
     stream = CommStream(device)
     ctx = ShardContext(
         mesh, plan, param_dtype, reduce_dtype, master_dtype,
-        float(mesh.world_size if gradient_divide_factor is None else gradient_divide_factor), device,
+        float(mesh.dp_world_size if gradient_divide_factor is None else gradient_divide_factor), device,
         CommRecorder(mesh.ranks_per_node), stream, Executor(stream, max_inflight_bytes or 0),
     )
     state = LinsState(ctx)
     unit_modules = unit_list + [model]
     names = {id(m): n for n, m in model.named_modules()}
+    slices = {name: TensorParallelSlice.of(p) for name, p in params.items()}  # before FSDP2 swaps them
     claimed: set[int] = set()
     for module in unit_modules:
         backend = _make_backend(module, mesh, mp_policy, param_dtype, reduce_dtype, frozen, claimed, module is model)
         if not backend.params:
             continue
         # fully_shard swaps in new Parameter objects: look the names up afterwards.
-        fqn_of = {id(p): _clean_fqn(n) for n, p in model.named_parameters()}
-        unit = LinsUnit(ctx, backend, _clean_fqn(names[id(module)]) or "<root>", [fqn_of[id(p)] for p in backend.params], module is model)
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        unit_names = [name_of[id(p)] for p in backend.params]
+        unit = LinsUnit(
+            ctx, backend, _clean_fqn(names[id(module)]) or "<root>", [_clean_fqn(n) for n in unit_names], module is model,
+            [slices[n] for n in unit_names],
+        )
         unit.make_masters()
         backend.attach(ctx, lambda rows, keep, u=unit: state.on_gradient(u, rows, keep), unit.geometry)
         module.register_forward_pre_hook(lambda m, args, u=unit: state.before_unit_forward(u), prepend=True)

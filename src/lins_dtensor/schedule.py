@@ -223,18 +223,25 @@ def step_collectives(
     param_bytes: int,
     reduce_bytes: int,
     clip_grad_norm: bool = False,
+    tp: int = 1,
 ) -> list[CollectiveRecord]:
-    """The collectives one rank issues in one optimizer step, aggregated by kind and size."""
+    """The collectives one rank issues in one optimizer step, aggregated by kind and size.
+
+    ``world_size`` and ``ranks_per_node`` count data-parallel ranks (the plan's); with
+    tensor parallelism of degree ``tp`` the units' geometry is of this rank's TP slices,
+    and only the gradient norm's all-reduce spans the TP ranks too."""
     dtype_bytes = {"param": param_bytes, "reduce": reduce_bytes, "float32": 4}
     counts: dict[tuple, int] = {}
 
-    def add(spec: CollectiveSpec, geometry: UnitGeometry | None, times: int, size: int | None = None, stride: int | None = None) -> None:
+    def add(spec: CollectiveSpec, geometry: UnitGeometry | None, times: int, size: int | None = None, stride: int | None = None,
+            nodes: int | None = None) -> None:
         size = group_size(plan, world_size, spec.mesh_dim) if size is None else size
         if size == 1 or times == 0:
             return
         stride = group_stride(plan, spec.mesh_dim) if stride is None else stride
+        nodes = nodes_spanned(size, stride, ranks_per_node) if nodes is None else nodes
         numel = 1 if geometry is None else geometry.message_numel(spec)
-        key = (spec.name, spec.state, spec.op, size, nodes_spanned(size, stride, ranks_per_node), numel * dtype_bytes[spec.dtype])
+        key = (spec.name, spec.state, spec.op, size, nodes, numel * dtype_bytes[spec.dtype])
         counts[key] = counts.get(key, 0) + times
 
     hpz = plan.reshard_after_forward
@@ -253,7 +260,7 @@ def step_collectives(
         add(UPDATE_GATHER_OPTIM, g, 1)
         add(UPDATE_GATHER_GRAD, g, 1)
     if clip_grad_norm:
-        add(GRAD_NORM_ALL_REDUCE, None, 1)
+        add(GRAD_NORM_ALL_REDUCE, None, 1, size=world_size * tp, nodes=nodes_spanned(world_size, 1, ranks_per_node))
     return [CollectiveRecord(*key, count=count) for key, count in counts.items()]
 
 

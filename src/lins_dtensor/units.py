@@ -19,6 +19,12 @@ optimizer step the updated masters are all-gathered back into P. Each of these m
 is a chain on the executor (:mod:`lins_dtensor.executor`); the collectives and copies
 are those :mod:`lins_dtensor.schedule` describes.
 
+Under tensor parallelism a parameter is a DTensor on the mesh's ``tp`` dim, and
+everything above applies to this rank's TP slice of it (:class:`TensorParallelSlice`):
+its shape is the geometry's, FSDP2 shards and gathers it (describing it on its
+(param_shard, tp) mesh), replicated P reads it through ``to_local``; only the masters
+are DTensors on the whole mesh, TP placement included.
+
 Buffer lifetimes: the G buffer, the masters' flat buffer (the update gather's input)
 and P are persistent. The OS-layout gradient lives from the reduction to the end of
 the optimizer step (it is the G buffer itself when the layouts coincide). Packed
@@ -33,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
 from lins_dtensor.collectives import (
     CommRecorder,
@@ -58,7 +64,6 @@ from lins_dtensor.mesh import (
     OPTIM_REPLICA,
     OPTIM_SHARD,
     LinsMesh,
-    placements,
 )
 from lins_dtensor.plan import LinsPlan, LinsPlanError
 from lins_dtensor.schedule import (
@@ -74,6 +79,32 @@ from lins_dtensor.schedule import (
 
 # Called with a unit's P-sharded gradient rows and the tensors that keep them alive.
 GradientSink = Callable[[list[torch.Tensor], Sequence[torch.Tensor]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelSlice:
+    """The part of a parameter this rank's TP group position holds, which Lins shards
+    over the data-parallel ranks: its shape, and how TP places it (``None``: the whole
+    parameter, as without TP or for a parameter that TP leaves a plain tensor)."""
+
+    shape: torch.Size
+    placement: Placement | None = None
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> "TensorParallelSlice":
+        if isinstance(param, DTensor):
+            return cls(param.to_local().shape, param.placements[0])
+        return cls(param.shape)
+
+    @property
+    def tp_sharded(self) -> bool:
+        """Whether TP ranks hold different parts (else each holds the same values)."""
+        return self.placement is not None and self.placement.is_shard()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's values on this rank: a DTensor's (TP's or FSDP2's) local part."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclasses.dataclass
@@ -177,7 +208,7 @@ class ReplicatedParams:
         self._install_casts(module, mp_policy)
 
     def local_shards(self) -> list[torch.Tensor]:
-        return [p.detach() for p in self.params]
+        return [_local(p.detach()) for p in self.params]
 
     def attach(self, ctx: ShardContext, sink: GradientSink, geometry: UnitGeometry) -> None:
         self._sink = sink
@@ -211,6 +242,11 @@ class ReplicatedParams:
     def _arrive(self, index: int, param: nn.Parameter) -> None:
         # autograd's gradient, taken as it is (no copy); the parameter keeps none.
         grad, param.grad = param.grad, None
+        if isinstance(grad, DTensor):
+            # A TP parameter's gradient in its own layout: a replicated one (a
+            # sequence-parallel norm's weight) arrives Partial over the TP group and is
+            # summed there first, as FSDP2 does for the parameters it shards.
+            grad = grad.redistribute(placements=param.placements).to_local()
         if self._pending[index] is None:
             self._arrived += 1
             self._pending[index] = grad
@@ -225,7 +261,7 @@ class ReplicatedParams:
         if self._arrived:
             for index, param in enumerate(self.params):
                 if self._pending[index] is None:
-                    self._pending[index] = torch.zeros_like(param)
+                    self._pending[index] = torch.zeros_like(_local(param.detach()))
             self._release()
 
     def _release(self) -> None:
@@ -239,7 +275,7 @@ class ReplicatedParams:
         """Parameters are read on the current stream, which the executor made wait."""
 
     def memory_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+        return sum(t.numel() * t.element_size() for t in self.local_shards())
 
     @staticmethod
     def _install_casts(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
@@ -269,14 +305,17 @@ class LinsUnit:
     """One unit's P (through its backend), G buffer and fp32 masters, and the chains
     that move its gradient to the OS layout and its update back to P."""
 
-    def __init__(self, ctx: ShardContext, backend: Backend, name: str, fqns: list[str], is_root: bool) -> None:
+    def __init__(
+        self, ctx: ShardContext, backend: Backend, name: str, fqns: list[str], is_root: bool, slices: list[TensorParallelSlice]
+    ) -> None:
         self.ctx = ctx
         self.backend = backend
         self.params = backend.params
         self.name = name
         self.fqns = fqns
         self.is_root = is_root
-        self.geometry = UnitGeometry.build([p.shape for p in self.params], ctx.plan, ctx.coords)
+        self.slices = slices  # what of each parameter this rank's TP position holds
+        self.geometry = UnitGeometry.build([s.shape for s in slices], ctx.plan, ctx.coords)
         g = self.geometry
         self.buffer_bytes = chain_buffer_bytes(
             g, param_bytes=ctx.param_dtype.itemsize, reduce_bytes=ctx.reduce_dtype.itemsize, master_bytes=ctx.master_dtype.itemsize
@@ -467,14 +506,15 @@ class LinsUnit:
         views = g.optim.views(flat, g.optim_index)
         masters, local_masters = [], []
         shards = self.backend.local_shards()
-        for param, shard, view, start, shape, p_start in zip(
-            self.params, shards, views, g.row_starts("optim"), g.local_shapes("optim"), g.row_starts("params")
+        for param, tp_slice, shard, view, start, shape, p_start in zip(
+            self.params, self.slices, shards, views, g.row_starts("optim"), g.local_shapes("optim"), g.row_starts("params")
         ):
             # P's group nests in the OS group: this rank's OS rows lie inside its P rows.
             if not meta:
-                view.copy_(shard.detach().reshape(-1, *param.shape[1:]).narrow(0, start - p_start, shape[0]).reshape(view.shape))
+                view.copy_(shard.detach().reshape(-1, *shape[1:]).narrow(0, start - p_start, shape[0]).reshape(view.shape))
             local = view.view(shape)
-            dtensor = DTensor.from_local(local, ctx.mesh.device_mesh, placements("optim"), run_check=False, shape=param.shape, stride=param.stride())
+            mesh, layout = ctx.mesh.device_mesh, ctx.mesh.placements("optim", tp_slice.placement)
+            dtensor = DTensor.from_local(local, mesh, layout, run_check=False, shape=param.shape, stride=param.stride())
             masters.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
             local_masters.append(nn.Parameter(local, requires_grad=param.requires_grad))
         self.master_flat, self.masters, self.local_masters = flat, masters, local_masters
@@ -493,8 +533,7 @@ class LinsUnit:
     def load_masters(self, state_dict: dict, prefix: str) -> bool:
         """Copy checkpoint values for this unit into its masters; True if any were present."""
         found = False
-        g = self.geometry
-        for fqn, master, start, shape in zip(self.fqns, self.masters, g.row_starts("optim"), g.local_shapes("optim")):
+        for fqn, master in zip(self.fqns, self.masters):
             value = state_dict.get(prefix + fqn)
             if value is None:
                 continue
@@ -508,7 +547,9 @@ class LinsUnit:
                 )
             if isinstance(value, DTensor):
                 value = value.full_tensor()
-            master.to_local().copy_(value.narrow(0, start, shape[0]))  # shared with local_masters
+            # Each rank cuts its own shard out of the whole value (no communication).
+            shard = distribute_tensor(value.to(master.device), master.device_mesh, master.placements, src_data_rank=None)
+            master.to_local().copy_(shard.to_local())  # shared with local_masters
         return found
 
     def memory_bytes(self) -> dict[str, int]:
