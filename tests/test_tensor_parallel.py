@@ -20,14 +20,18 @@ WORLD4_PLANS = [str(p) for p in valid_plans(2, 1)]  # 2 nodes x 2 ranks, tp 2: o
 WORLD8_PLANS = ["ddp", "p=1,g=2,os=4", "p=2,g=2,os=4", "p=2,g=4,os=4", "fsdp"]  # 2 nodes x 4, tp 2
 
 
-def _configs(plans: list[str], ranks_per_node: int, microbatches=(1, 2)) -> list[dict]:
-    return [dict(plan=p, microbatches=m, steps=STEPS, ranks_per_node=ranks_per_node, tp=2, mode="told", model_kwargs=MODEL)
+def _configs(plans: list[str], ranks_per_node: int, microbatches=(1, 2), **extra) -> list[dict]:
+    return [dict(plan=p, microbatches=m, steps=STEPS, ranks_per_node=ranks_per_node, tp=2, mode="told", model_kwargs=MODEL, **extra)
             for p in plans for m in microbatches]
 
 
 @pytest.fixture(scope="module")
 def world4():
-    lins = run(train_lins, 4, _configs(WORLD4_PLANS, 2))
+    """Every plan, M in {1, 2}; and torchtitan's way of building: on the meta device,
+    tensor-parallelised, sharded, then to_empty (which swaps DTensor parameters in
+    place) and a full state dict loaded, with P replicated (no FSDP2) and sharded."""
+    configs = _configs(WORLD4_PLANS, 2) + _configs(["p=1,g=1,os=2", "p=2,g=2,os=2"], 2, microbatches=(1,), init="meta")
+    lins = run(train_lins, 4, configs)
     fsdp = run(train_fsdp, 4, [dict(shard=2, tp=2, microbatches=m, steps=STEPS, ranks_per_node=2, model_kwargs=MODEL) for m in (1, 2)])
     refs = {m: reference(2, m, STEPS, model_kwargs=MODEL) for m in (1, 2)}
     return lins, fsdp, refs
@@ -66,7 +70,7 @@ def _check_parity(lins: list[dict], fsdp: list[dict], refs: dict, tol: float) ->
 
 def test_world4_every_plan_matches_fsdp2_tp_and_one_process(world4):
     lins, fsdp, refs = world4
-    assert len(lins) == 2 * len(WORLD4_PLANS) == 8
+    assert len(lins) == 2 * len(WORLD4_PLANS) + 2 == 10
     _check_parity(lins, fsdp, refs, 1e-5)
 
 

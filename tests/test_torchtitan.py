@@ -72,7 +72,8 @@ def test_wrong_lins_value_stops_at_startup(tmp_path, assets, override, key, rule
     "section, key, value, expected",
     [
         ("model", "converters", ["float8"], "[model] converters = ['float8']: Lins shards plain tensors"),
-        ("parallelism", "tensor_parallel_degree", 2, "[parallelism] tensor_parallel_degree = 2: [lins] enable = true supports"),
+        ("parallelism", "pipeline_parallel_degree", 2, "[parallelism] pipeline_parallel_degree = 2: [lins] enable = true composes"),
+        ("parallelism", "tensor_parallel_degree", 3, "[training] seq_len = 2048: must be divisible by [parallelism] tensor_parallel_degree = 3"),
     ],
 )
 def test_settings_lins_cannot_run_with_are_refused_in_one_line(section, key, value, expected):
@@ -85,6 +86,31 @@ def test_settings_lins_cannot_run_with_are_refused_in_one_line(section, key, val
     with pytest.raises(LinsConfigError) as error:
         check_parallelism(job_config)
     assert str(error.value).startswith(expected) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "tp, plan, expected",
+    [
+        (4, "fsdp", "[parallelism] tensor_parallel_degree = 4: must divide the 2 ranks per node"),
+        (2, "p=2,g=2,os=8", "[lins] plan = 'p=2,g=2,os=8' (p=2,g=2,os=8) on 8 ranks, 2 per node, tensor_parallel_degree 2: "
+                            "optim=8 must divide the 4 data-parallel ranks"),
+        (2, "p=2,g=2,os=2,hpz=2", "[lins] plan = 'p=2,g=2,os=2,hpz=2'"),
+    ],
+)
+def test_tensor_parallel_layouts_lins_cannot_run_are_refused_in_one_line(monkeypatch, tp, plan, expected):
+    """The plan counts data-parallel ranks (world / tp) and TP stays inside a node."""
+    from torchtitan.config import JobConfig
+
+    from lins_dtensor.integrations.torchtitan.config import Lins
+    from lins_dtensor.integrations.torchtitan.plan import LinsConfigError, check_config
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    job_config = JobConfig()
+    job_config.lins = Lins(enable=True, plan=plan, ranks_per_node=2)
+    job_config.parallelism.tensor_parallel_degree = tp
+    with pytest.raises(LinsConfigError) as error:
+        check_config(job_config)
+    assert str(error.value).startswith(expected) and "\n" not in str(error.value), str(error.value)
 
 
 @pytest.mark.timeout(660)

@@ -64,6 +64,17 @@ def fsdp_wait_all_gather_streams(module: nn.Module, event: torch.Event) -> None:
         param_group._wait_all_gather_streams_on_event(event)
 
 
+def clear_swapped_grad_hooks(param: torch.Tensor) -> None:
+    """Drop the post-accumulate-grad hooks of a parameter whose contents were swapped in
+    place (``Module.to_empty`` / ``_apply`` swap DTensor parameters with
+    ``torch.utils.swap_tensors``). The swap leaves the Python hook dict on the object but
+    not the autograd hook that calls it, so its hooks, and any registered next to them,
+    never fire; with the dict cleared, the next registration installs a working one.
+
+    Waits for: ``swap_tensors`` keeping post-accumulate-grad hooks working."""
+    param._post_accumulate_grad_hooks = None
+
+
 def in_backward() -> bool:
     """True inside the autograd engine (FSDP2 re-gathers in backward).
 

@@ -160,8 +160,9 @@ _PRESETS = {
 PRESET_NAMES = tuple(sorted(_PRESETS))
 
 
-def valid_plans(world_size: int, ranks_per_node: int, *, with_hpz: bool = False) -> list[LinsPlan]:
-    """Every plan that :meth:`LinsPlan.validate` accepts for this cluster shape."""
+def valid_plans(world_size: int, ranks_per_node: int, *, with_hpz: bool = False, tp: int = 1) -> list[LinsPlan]:
+    """Every plan that :meth:`LinsPlan.validate` accepts for this cluster shape (data-
+    parallel ranks of the job and of a node, next to tensor parallelism of degree ``tp``)."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     plans = []
     for p in divisors:
@@ -173,7 +174,7 @@ def valid_plans(world_size: int, ranks_per_node: int, *, with_hpz: bool = False)
                 for hpz in hpz_options:
                     plan = LinsPlan(p, g, os_, hpz)
                     try:
-                        plan.validate(world_size, ranks_per_node)
+                        plan.validate(world_size, ranks_per_node, tp)
                     except LinsPlanError:
                         continue
                     plans.append(plan)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
+from torch.utils.hooks import RemovableHandle
 
 from lins_dtensor.collectives import (
     CommRecorder,
@@ -53,6 +54,7 @@ from lins_dtensor.collectives import (
 )
 from lins_dtensor.compat import (
     cast_fsdp_params_,
+    clear_swapped_grad_hooks,
     foreach_add_,
     foreach_copy_,
     fsdp_wait_all_gather_streams,
@@ -105,6 +107,12 @@ class TensorParallelSlice:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's values on this rank: a DTensor's (TP's or FSDP2's) local part."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _data_ptr(param: torch.Tensor) -> int:
+    """Where a parameter's local values live (0 on the meta device)."""
+    with torch.no_grad():
+        return _local(param).data_ptr()
 
 
 @dataclasses.dataclass
@@ -205,6 +213,9 @@ class ReplicatedParams:
         self._arrived = 0
         self._sink: GradientSink | None = None
         self._rows: list[tuple[int, int]] = []
+        # Each parameter's gradient hook and the data it was registered on (refresh).
+        self._handles: list[RemovableHandle | None] = [None] * len(params)
+        self._hooked_data: list[int] = [0] * len(params)
         self._install_casts(module, mp_policy)
 
     def local_shards(self) -> list[torch.Tensor]:
@@ -217,10 +228,21 @@ class ReplicatedParams:
 
     def _hook(self, indices) -> None:
         for index in indices:
-            self.params[index].register_post_accumulate_grad_hook(lambda p, i=index: self._arrive(i, p))
+            param = self.params[index]
+            if self._handles[index] is not None:
+                self._handles[index].remove()  # wherever it now sits (see refresh)
+                clear_swapped_grad_hooks(param)
+            self._handles[index] = param.register_post_accumulate_grad_hook(lambda p, i=index: self._arrive(i, p))
+            self._hooked_data[index] = _data_ptr(param)
 
     def refresh(self) -> bool:
-        """Follow parameters the model has replaced; True if any were."""
+        """Follow parameters the model has replaced or re-allocated; True if any were.
+
+        A replaced Parameter (``load_state_dict(assign=True)``, ``to_empty`` on plain
+        tensors) needs the hook on the new object. ``to_empty`` on a DTensor (TP)
+        parameter swaps the tensors' contents in place (``torch.utils.swap_tensors``),
+        which leaves its gradient hook dead: a parameter whose data moved is hooked
+        again, its old hook removed."""
         replaced = [i for i, ((m, name), p) in enumerate(zip(self._slots, self.params)) if m._parameters.get(name) is not p]
         for i in replaced:
             m, name = self._slots[i]
@@ -231,9 +253,10 @@ class ReplicatedParams:
                     f"{new.dtype}, Lins holds {tuple(self.params[i].shape)} {self.params[i].dtype}; replace values in place"
                 )
             self.params[i] = new
-        if replaced and self._sink is not None:
-            self._hook(replaced)
-        return bool(replaced)
+        moved = [i for i, p in enumerate(self.params) if i in replaced or _data_ptr(p) != self._hooked_data[i]]
+        if moved and self._sink is not None:
+            self._hook(moved)
+        return bool(moved)
 
     def cast_(self, dtype: torch.dtype) -> None:
         for param in self.params:

@@ -123,6 +123,21 @@ def tensor_parallel_local(model: ModelSpec, tp: int) -> ModelSpec:
     return dataclasses.replace(model, units=units, embedding_params=(v // tp) * d)
 
 
+def architecture_only(model: ModelSpec) -> ModelSpec:
+    """``model`` described by its architecture numbers alone, which is what
+    :func:`tensor_parallel_local` splits; a PlannerError if the explicit unit shapes
+    (read from a module) are not the LLaMA layout those numbers give."""
+    if model.units is None:
+        return model
+    plain = dataclasses.replace(model, units=None, embedding_params=None)
+    if [sorted(unit) for unit in plain.unit_shapes()] != [sorted(tuple(s) for s in unit) for unit in model.units]:
+        raise PlannerError(
+            f"{model.name}: its parameter shapes are not the LLaMA layout of dim={model.dim}, n_layers={model.n_layers}, "
+            f"n_heads={model.n_heads}, ffn_dim={model.ffn_dim}: the planner cannot split them for tensor parallelism"
+        )
+    return plain
+
+
 def _check_positive(where: str, key: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise PlannerError(f"{where}: {key} must be a positive integer, got {value!r}")

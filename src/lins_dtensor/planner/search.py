@@ -71,15 +71,16 @@ def resolve_model(model, **module_hints) -> ModelSpec:
     raise PlannerError(f"model must be a ModelSpec, a name or an nn.Module, got {type(model).__name__}")
 
 
-def baseline_plans(world: int, ranks_per_node: int) -> list[tuple[str, LinsPlan | None, str]]:
-    """(label, plan or None, why not) for each named baseline on this cluster."""
+def baseline_plans(world: int, ranks_per_node: int, tp: int = 1) -> list[tuple[str, LinsPlan | None, str]]:
+    """(label, plan or None, why not) for each named baseline on this cluster (``world``
+    and ``ranks_per_node`` count data-parallel ranks, next to TP of degree ``tp``)."""
     out: list[tuple[str, LinsPlan | None, str]] = []
     for name, template in BASELINES:
         text = template.format(k=ranks_per_node)
         label = f"{name} k={ranks_per_node}" if "{k}" in template else name
         try:
             plan = LinsPlan.parse(text, world)
-            plan.validate(world, ranks_per_node)
+            plan.validate(world, ranks_per_node, tp)
         except LinsPlanError as exc:
             out.append((label, None, f"n/a on this cluster: {exc}"))
             continue
@@ -146,10 +147,10 @@ def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *,
     training.microbatches(cluster.dp_ranks)  # fail early on an impossible batch
     timer = CollectiveTimer(cluster.hardware, cluster.gpus_per_node, cluster.bandwidth)  # type: ignore[arg-type]
     costs: dict[LinsPlan, PlanCost] = {}
-    for plan in valid_plans(cluster.dp_ranks, cluster.dp_per_node, with_hpz=True):
+    for plan in valid_plans(cluster.dp_ranks, cluster.dp_per_node, with_hpz=True, tp=cluster.tp):
         costs[plan] = evaluate(plan, spec, cluster, training, timer)
     baselines = []
-    for name, plan, note in baseline_plans(cluster.dp_ranks, cluster.dp_per_node):
+    for name, plan, note in baseline_plans(cluster.dp_ranks, cluster.dp_per_node, cluster.tp):
         cost = None if plan is None else costs.get(plan) or evaluate(plan, spec, cluster, training, timer)
         baselines.append(Baseline(name, plan, cost, note))
     ranked = sorted((c for c in costs.values() if c.fits), key=_sort_key)

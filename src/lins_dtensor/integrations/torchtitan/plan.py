@@ -35,11 +35,23 @@ def ranks_per_node(lins, world: int) -> int:
     return value
 
 
+def tp_degree(job_config) -> int:
+    """torchtitan's tensor-parallel degree, which Lins composes with."""
+    return job_config.parallelism.tensor_parallel_degree
+
+
 def check_parallelism(job_config) -> None:
-    """Lins owns the data-parallel dims; other parallelisms are not composed with it yet."""
+    """Lins owns the data-parallel dims and composes with torchtitan's tensor
+    parallelism; pipeline, context and expert parallelism are not composed with it yet."""
     par = job_config.parallelism
+    if par.tensor_parallel_degree < 1:
+        raise LinsConfigError(f"[parallelism] tensor_parallel_degree = {par.tensor_parallel_degree}: must be >= 1")
+    if job_config.training.seq_len % par.tensor_parallel_degree:
+        raise LinsConfigError(
+            f"[training] seq_len = {job_config.training.seq_len}: must be divisible by [parallelism] "
+            f"tensor_parallel_degree = {par.tensor_parallel_degree} (sequence parallelism splits it)"
+        )
     others = {
-        "tensor_parallel_degree": par.tensor_parallel_degree,
         "pipeline_parallel_degree": par.pipeline_parallel_degree,
         "context_parallel_degree": par.context_parallel_degree,
         "expert_parallel_degree": par.expert_parallel_degree,
@@ -47,8 +59,8 @@ def check_parallelism(job_config) -> None:
     for key, value in others.items():
         if value != 1:
             raise LinsConfigError(
-                f"[parallelism] {key} = {value}: [lins] enable = true supports data parallelism only "
-                "(tp, pp, cp, ep = 1); set [lins] enable = false to use torchtitan's parallelisms"
+                f"[parallelism] {key} = {value}: [lins] enable = true composes with data and tensor parallelism "
+                "only (pp, cp, ep = 1); set [lins] enable = false to use torchtitan's other parallelisms"
             )
     if job_config.training.enable_cpu_offload:
         raise LinsConfigError("[training] enable_cpu_offload = true: not supported with [lins] enable = true")
@@ -82,23 +94,31 @@ def check_config(job_config) -> None:
         return  # one process writes the unsharded model; the plan applies when it is loaded
     world = world_size()
     rpn = ranks_per_node(lins, world)
+    tp = tp_degree(job_config)
+    if rpn % tp:
+        raise LinsConfigError(
+            f"[parallelism] tensor_parallel_degree = {tp}: must divide the {rpn} ranks per node "
+            "([lins] ranks_per_node): a tensor-parallel group stays inside a node"
+        )
     if lins.plan.strip().lower() != "auto":
-        explicit_plan(lins, world, rpn)
+        explicit_plan(lins, world, rpn, tp)
 
 
-def explicit_plan(lins, world: int, rpn: int) -> LinsPlan:
+def explicit_plan(lins, world: int, rpn: int, tp: int = 1) -> LinsPlan:
+    """The ``[lins] plan`` value as a plan over the ``world / tp`` data-parallel ranks."""
     text = lins.plan
     try:
-        plan = LinsPlan.parse(text, world)
+        plan = LinsPlan.parse(text, world // tp)
     except LinsPlanError as exc:
         raise LinsConfigError(
             f"[lins] plan = '{text}': {exc} (presets: {', '.join(PRESET_NAMES)}, or 'auto')"
         ) from None
     plan = with_reshard_policy(plan, lins.reshard_after_forward)
     try:
-        plan.validate(world, rpn)
+        plan.validate(world // tp, rpn // tp, tp)
     except LinsPlanError as exc:
-        raise LinsConfigError(f"[lins] plan = '{text}' ({plan}) on {world} ranks, {rpn} per node: {exc}") from None
+        where = f"on {world} ranks, {rpn} per node" + (f", tensor_parallel_degree {tp}" if tp > 1 else "")
+        raise LinsConfigError(f"[lins] plan = '{text}' ({plan}) {where}: {exc}") from None
     return plan
 
 
@@ -112,9 +132,10 @@ def with_reshard_policy(plan: LinsPlan, policy: str) -> LinsPlan:
 
 @dataclasses.dataclass
 class Resolved:
-    plan: LinsPlan
-    ranks_per_node: int
+    plan: LinsPlan  # over the data-parallel ranks
+    ranks_per_node: int  # ranks of the job per node, TP ranks included
     prediction: object | None = None  # planning.Prediction (planner's explanation when auto)
+    tp: int = 1
 
 
 def _rank0s(plan: LinsPlan) -> LinsPlan:
@@ -133,13 +154,14 @@ def resolve(job_config, model) -> Resolved:
     lins = job_config.lins
     world = world_size()
     rpn = ranks_per_node(lins, world)
+    tp = tp_degree(job_config)
     if lins.plan.strip().lower() != "auto":
-        plan = explicit_plan(lins, world, rpn)
-        return Resolved(plan, rpn, planning.predict(job_config, model, plan, world, rpn))
-    plan, prediction = planning.choose(job_config, model, world, rpn)
+        plan = explicit_plan(lins, world, rpn, tp)
+        return Resolved(plan, rpn, planning.predict(job_config, model, plan, world, rpn, tp), tp)
+    plan, prediction = planning.choose(job_config, model, world, rpn, tp)
     plan = with_reshard_policy(_rank0s(plan), lins.reshard_after_forward)
     try:
-        plan.validate(world, rpn)
+        plan.validate(world // tp, rpn // tp, tp)
     except LinsPlanError as exc:
         raise LinsConfigError(f"[lins] plan = 'auto': the planner chose {plan}, which is invalid: {exc}") from None
-    return Resolved(plan, rpn, prediction)
+    return Resolved(plan, rpn, prediction, tp)

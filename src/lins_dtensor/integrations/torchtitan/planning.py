@@ -15,12 +15,14 @@ import dataclasses
 
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.tools.logging import logger
 
 from lins_dtensor.integrations.torchtitan.config import LinsConfigError
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner import Baseline, BandwidthTable, ClusterSpec, TrainingSpec, choose_plan, evaluate, model_from_module
 from lins_dtensor.planner.calibrate import CalibrationRun, run_to_json
 from lins_dtensor.planner.hardware import load_hardware
+from lins_dtensor.planner.models import architecture_only
 from lins_dtensor.planner.search import baseline_plans
 from lins_dtensor.planner.training import RECOMPUTED_FORWARD
 
@@ -54,17 +56,18 @@ def _hardware_name(job_config) -> str:
     return "h100"
 
 
-def _cluster(job_config, world: int, rpn: int):
+def _cluster(job_config, world: int, rpn: int, tp: int):
     bandwidth = BandwidthTable.load(job_config.lins.bandwidth_file) if job_config.lins.bandwidth_file else None
     if job_config.lins.hardware_file:
-        return ClusterSpec(world, rpn, load_hardware(job_config.lins.hardware_file), bandwidth)
-    return ClusterSpec.preset(_hardware_name(job_config), world, rpn, bandwidth=bandwidth)
+        return ClusterSpec(world, rpn, load_hardware(job_config.lins.hardware_file), bandwidth, tp=tp)
+    return ClusterSpec.preset(_hardware_name(job_config), world, rpn, bandwidth=bandwidth, tp=tp)
 
 
-def _training(job_config, world: int):
-    """The planner's TrainingSpec from torchtitan's [training] section."""
+def _training(job_config, dp_world: int):
+    """The planner's TrainingSpec from torchtitan's [training] section (the default
+    global batch is one local batch per data-parallel rank)."""
     t = job_config.training
-    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * world
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_world
     return TrainingSpec(
         seq_len=t.seq_len,
         micro_batch=t.local_batch_size,
@@ -83,10 +86,21 @@ def _run_description(spec, cluster: ClusterSpec, training: TrainingSpec, plan: L
     return run_to_json(CalibrationRun(spec, cluster, training, [], str(plan)))
 
 
-def choose(job_config, model, world: int, rpn: int) -> tuple[LinsPlan, Prediction]:
-    """``plan = "auto"``: the planner's plan, or a one-line LinsConfigError."""
+def _model_spec(model, tp: int):
+    """The planner's description of torchtitan's (not yet parallelised) model. Under TP
+    the planner splits it by torchtitan's LLaMA plan, from the architecture numbers,
+    after checking that the module's shapes are that layout."""
+    ffn = next((m.feed_forward.w1.weight.shape[0] for m in model.modules() if hasattr(m, "feed_forward")), None)
+    spec = model_from_module(model, ffn_dim=ffn)
+    return architecture_only(spec) if tp > 1 else spec
+
+
+def choose(job_config, model, world: int, rpn: int, tp: int = 1) -> tuple[LinsPlan, Prediction]:
+    """``plan = "auto"``: the planner's plan for the data-parallel ranks next to the
+    job's tensor parallelism, or a one-line LinsConfigError."""
     try:
-        plan, explanation = choose_plan(model, _cluster(job_config, world, rpn), _training(job_config, world))
+        cluster, training = _cluster(job_config, world, rpn, tp), _training(job_config, world // tp)
+        plan, explanation = choose_plan(_model_spec(model, tp), cluster, training)
     except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise LinsConfigError(f"[lins] plan = 'auto': {first}") from None
@@ -94,18 +108,20 @@ def choose(job_config, model, world: int, rpn: int) -> tuple[LinsPlan, Predictio
     return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster), run)
 
 
-def predict(job_config, model, plan: LinsPlan, world: int, rpn: int) -> Prediction | None:
+def predict(job_config, model, plan: LinsPlan, world: int, rpn: int, tp: int = 1) -> Prediction | None:
     """The planner's prediction for an explicit plan and the baselines; None if unavailable."""
     try:
-        cluster, training = _cluster(job_config, world, rpn), _training(job_config, world)
-        spec = model_from_module(model)
+        cluster, training = _cluster(job_config, world, rpn, tp), _training(job_config, world // tp)
+        spec = _model_spec(model, tp)
         baselines = [
             Baseline(name, p, None if p is None else evaluate(p, spec, cluster, training), note)
-            for name, p, note in baseline_plans(world, rpn)
+            for name, p, note in baseline_plans(cluster.dp_ranks, cluster.dp_per_node, cluster.tp)
         ]
         run = _run_description(spec, cluster, training, plan)
         return Prediction(evaluate(plan, spec, cluster, training), baselines, None, _cluster_text(cluster), run)
-    except Exception:  # noqa: BLE001 - the table is informative only; training goes on
+    except Exception as exc:  # noqa: BLE001 - the table is informative only; training goes on
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        logger.warning(f"Lins: no planner prediction for plan {plan}: {first}")
         return None
 
 
@@ -114,16 +130,21 @@ def _cluster_text(cluster) -> str:
     return f"{cluster.gpus} x {cluster.hardware.name} ({cluster.nodes} nodes x {cluster.gpus_per_node}), {source}"
 
 
-def _state_bytes(plan: LinsPlan, num_params: int, param_bytes: int, grad_bytes: int) -> float:
-    return num_params * (param_bytes / plan.params + grad_bytes / plan.grads + 12 / plan.optim)
+def _state_bytes(plan: LinsPlan, num_params: int, param_bytes: int, grad_bytes: int, tp: int) -> float:
+    return num_params / tp * (param_bytes / plan.params + grad_bytes / plan.grads + 12 / plan.optim)
 
 
-def table(plan: LinsPlan, prediction: Prediction | None, world: int, rpn: int, num_params: int, param_bytes: int, grad_bytes: int) -> str:
-    """The compact start-up report: chosen plan, why, predictions and baselines."""
+def table(plan: LinsPlan, prediction: Prediction | None, world: int, rpn: int, num_params: int, param_bytes: int, grad_bytes: int,
+          tp: int = 1) -> str:
+    """The compact start-up report: chosen plan, why, predictions and baselines (all
+    with the job's tensor parallelism: the plans are over its data-parallel ranks)."""
     head = f"  {'':<14} {'plan':<18} {'states MiB':>10} {'peak MiB':>9} {'step s':>8} {'vs chosen':>9}"
-    lines = [f"Lins: plan {plan} on {world} ranks ({rpn} per node), {num_params:,} parameters"]
+    layout = f"{world} ranks ({rpn} per node)"
+    if tp > 1:
+        layout += f" = tensor parallel {tp} x {world // tp} data-parallel ranks"
+    lines = [f"Lins: plan {plan} on {layout}, {num_params:,} parameters"]
     if prediction is None:
-        lines += [head.replace(" peak MiB", "         ").rstrip(), f"  {'CHOSEN':<14} {str(plan):<18} {_state_bytes(plan, num_params, param_bytes, grad_bytes) / MiB:10.1f}"]
+        lines += [head.replace(" peak MiB", "         ").rstrip(), f"  {'CHOSEN':<14} {str(plan):<18} {_state_bytes(plan, num_params, param_bytes, grad_bytes, tp) / MiB:10.1f}"]
         lines.append("why: plan given in [lins] plan (no planner prediction available)")
         return "\n".join(lines)
     chosen = prediction.chosen
