@@ -107,7 +107,7 @@ def _mesh_errors() -> list[str]:
 def test_bad_tp_layouts_are_one_line_errors():
     errors = run(_mesh_errors, 4)
     assert "tp=3 must divide ranks_per_node=2" in errors[0]
-    assert "params=4" in errors[1] and "the 2 data-parallel ranks" in errors[1] and "\n" not in errors[1]
+    assert "optim=4 must divide the 2 data-parallel ranks (world_size / tp=2)" in errors[1] and "\n" not in errors[1]
     assert "tp=0 must be a positive integer" in errors[2]
 
 
