@@ -6,7 +6,9 @@ killed worker ending the job. Slow: parity with torchtitan's own FSDP from one s
 checkpoint (fsdp preset and a Lins-only plan, with activation checkpointing, gradient
 accumulation and clipping), bf16 mixed precision, a worker killed mid-step and one
 killed while a checkpoint is being written (each job resumed to the uninterrupted
-losses), and a stopped worker ending the job by the train timeout.
+losses), a stopped worker ending the job by the train timeout, and tensor parallelism:
+Lins + TP 2 against torchtitan's FSDP + TP 2, and a checkpoint saved under one (plan,
+TP) resumed under another at world 8.
 """
 
 from __future__ import annotations
@@ -329,3 +331,51 @@ def test_a_stopped_worker_ends_the_job_by_the_train_timeout(tmp_path, assets):
     assert returncode != 0
     assert elapsed < 90, f"the job ran {elapsed:.0f} s after the worker stopped"
     assert "Timed out waiting 5000ms" in output, output[-3000:]
+
+
+# ----- slow: tensor parallelism ----------------------------------------------------------
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+TP_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_losses(tmp_path_factory, assets, seed_checkpoint):
+    """torchtitan's own FSDP + TP 2 (2 data-parallel x 2 TP ranks, sequence and loss
+    parallel) from the seed checkpoint."""
+    dump = tmp_path_factory.mktemp("fsdp_tp")
+    check(train(_parity_args(dump, assets, seed_checkpoint, TP_STEPS, "--model.name", "llama3", "--lins.no-enable",
+                             "--training.dataset_path", str(assets), *TP2)))
+    return losses(dump), scalars(dump)["grad_norm"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("plan", ["fsdp", "p=1,g=2,os=2"])
+def test_tp2_matches_torchtitan_fsdp_tp_from_seed_checkpoint(tmp_path, assets, seed_checkpoint, fsdp_tp_losses, plan):
+    """The fsdp preset is torchtitan's layout; p=1,g=2,os=2 (ZeRO-2 over the 2 data-
+    parallel ranks) is one torchtitan cannot express. With 2 data-parallel ranks every
+    gradient sum has two terms, whose order does not change an fp32 sum, so the bar is
+    the same LOSS_RTOL as without TP (measured: identical losses, grad norms within
+    one fp32 ulp)."""
+    check(train(_parity_args(tmp_path, assets, seed_checkpoint, TP_STEPS, "--lins.plan", plan, *TP2)))
+    want_loss, want_norm = fsdp_tp_losses
+    _assert_close(losses(tmp_path), want_loss, LOSS_RTOL)
+    _assert_close(scalars(tmp_path)["grad_norm"], want_norm, LOSS_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_tp2_checkpoint_saved_under_one_plan_resumes_under_another_at_world8(tmp_path, assets, seed_checkpoint):
+    """World 8 (4 nodes x 2 ranks, TP 2 inside each: 4 data-parallel ranks). Saved at
+    step 2 under the Lins-only plan p=1,g=2,os=4, then resumed under the fsdp preset
+    (p=4,g=4,os=4): step 3 gives the uninterrupted run's loss."""
+    dump = tmp_path / "run"
+    args = _parity_args(dump, assets, seed_checkpoint, 3, *TP2, interval=2)
+    check(train([*args, "--lins.plan", "p=1,g=2,os=4"], nproc=8))
+    want = losses(dump)
+    assert sorted(want) == [1, 2, 3]
+    shutil.rmtree(dump / "checkpoint" / "step-3")  # resume from step 2
+    shutil.rmtree(dump / "tb", ignore_errors=True)
+    proc = check(train([*args, "--lins.plan", "fsdp"], nproc=8))
+    assert "Training starts at step 3" in proc.stdout + proc.stderr
+    _assert_close(losses(dump), {3: want[3]}, LOSS_RTOL)
