@@ -31,4 +31,4 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 exec timeout "$TIMEOUT" torchrun --standalone --nproc_per_node "$NPROC" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m lins_dtensor.train --job.config_file "$CONFIG" "$@" "${EXTRA[@]}"
+  -m lins_dtensor.train --job.config_file "$CONFIG" "$@" ${EXTRA[@]+"${EXTRA[@]}"}

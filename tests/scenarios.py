@@ -130,7 +130,10 @@ def train_lins(configs: list[dict]) -> list[dict]:
         dist.all_gather_object(per_rank, mine)
         masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
         params = {n: _full(p).float() for n, p in model.named_parameters() if p.requires_grad}
+        local_params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
         results.append({
+            "param_dtypes": {str(p.dtype) for p in local_params},
+            "master_placements": {k: tuple(map(str, v.placements)) for k, v in model.state_dict().items() if isinstance(v, DTensor)},
             "config": cfg,
             "masters": masters,
             "params": params,
@@ -232,3 +235,31 @@ def masters_from_initialisation(plans: list[str]) -> list[dict]:
             dist.all_gather_object(per_rank, mine)
             out.append({"plan": plan_text, "init": init, "per_rank": per_rank, "rank": rank})
     return out
+
+
+def hooks_after_to_empty(tps: list[int]) -> list[list[int]]:
+    """For each TP degree: a user's post-accumulate-grad hook registered after
+    ``to_empty``, bf16 parameters, P replicated (Lins' own gradient hooks on the same
+    parameters; ``to_empty`` swaps DTensor parameters in place): how often it fires in 2
+    backwards, on every rank."""
+    return [_hook_fires(tp) for tp in tps]
+
+
+def _hook_fires(tp: int) -> list[int]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = LinsPlan.parse("p=1,g=2,os=2" if tp > 1 else "p=1,g=2,os=4", world // tp)
+    with torch.device("meta"):
+        model = build_model(n_heads=4)
+    mesh = build_lins_mesh(plan, ranks_per_node=2, device_type="cpu", tp=tp)
+    if tp > 1:
+        tensor_parallelize(model, mesh.tp_mesh())
+    apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model.to_empty(device="cpu")
+    model.load_state_dict(build_model(n_heads=4).state_dict())
+    fired = []
+    model.layers[0].ffn_norm.weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    for step in range(2):
+        loss_fn(model, batch(step, rank // tp, 0)).backward()
+    counts = [0] * world
+    dist.all_gather_object(counts, len(fired))
+    return counts

@@ -64,15 +64,20 @@ def fsdp_wait_all_gather_streams(module: nn.Module, event: torch.Event) -> None:
         param_group._wait_all_gather_streams_on_event(event)
 
 
-def clear_swapped_grad_hooks(param: torch.Tensor) -> None:
-    """Drop the post-accumulate-grad hooks of a parameter whose contents were swapped in
-    place (``Module.to_empty`` / ``_apply`` swap DTensor parameters with
-    ``torch.utils.swap_tensors``). The swap leaves the Python hook dict on the object but
-    not the autograd hook that calls it, so its hooks, and any registered next to them,
-    never fire; with the dict cleared, the next registration installs a working one.
+def rearm_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Make ``param``'s post-accumulate-grad hooks fire again after its contents were
+    swapped in place (``torch.utils.swap_tensors``, which ``Module.to_empty`` / ``_apply``
+    use for DTensor parameters). The swap leaves the hook dict on the object but not the
+    autograd hook that calls it; assigning the dict again installs that hook on the
+    current contents. Every hook in the dict is kept (Lins' and anyone else's), and doing
+    it when nothing was swapped changes nothing.
 
-    Waits for: ``swap_tensors`` keeping post-accumulate-grad hooks working."""
-    param._post_accumulate_grad_hooks = None
+    Waits for: ``swap_tensors`` carrying post-accumulate-grad hooks with the tensor, or
+    a public re-registration (``Tensor.register_post_accumulate_grad_hook`` adds to the
+    stale dict without re-installing it)."""
+    hooks = param._post_accumulate_grad_hooks
+    if hooks is not None:
+        param._post_accumulate_grad_hooks = hooks
 
 
 def in_backward() -> bool:

@@ -115,7 +115,7 @@ class LinsMesh:
     def placements(self, state: str, tp_placement: Placement | None = None) -> tuple[Placement, ...]:
         """The DTensor placements of ``state`` ("params", "grads" or "optim") of a
         parameter on this mesh; ``tp_placement``: how TP shards it (None: replicated)."""
-        dp = placements(state)
+        dp = _dp_placements(state)
         return ((tp_placement or Replicate()), *dp) if self.tp > 1 else dp
 
 
@@ -124,8 +124,8 @@ def _check_timeout(timeout: object) -> None:
         raise LinsPlanError(f"timeout={timeout!r} must be a positive datetime.timedelta")
 
 
-def placements(state: str) -> tuple[Placement, ...]:
-    """The DTensor placements of ``state`` ("params", "grads" or "optim") on the four
+def _dp_placements(state: str) -> tuple[Placement, ...]:
+    """The placements of ``state`` ("params", "grads" or "optim") on the four
     data-parallel dims (:meth:`LinsMesh.placements` adds the TP dim)."""
     sharded_dims = {"params": 1, "grads": 2, "optim": 3}[state]
     return tuple(Shard(0) if 0 < i <= sharded_dims else Replicate() for i in range(len(MESH_DIMS)))
@@ -165,7 +165,7 @@ def build_lins_mesh(
     world_size = actual_world if world_size is None else world_size
     if ranks_per_node is None:
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if ranks_per_node < 1 or ranks_per_node % tp:
+    if ranks_per_node >= 1 and ranks_per_node % tp:  # (< 1: plan.validate names it)
         raise LinsPlanError(f"tp={tp} must divide ranks_per_node={ranks_per_node}: a tensor-parallel group stays inside a node")
     plan.validate(world_size // tp, ranks_per_node // tp, tp)
     if world_size != actual_world:

@@ -163,17 +163,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, e
     state.reduce_gradients()
     # Under TP a master that TP replicates (a norm's weight) is held, with the same
     # gradient, by every rank of the TP group: its share of the sum counts once.
-    tp_copies = state.mesh.tp
+    tp_replicas = state.mesh.tp
     grads, replicated = [], []
     for unit in state.units:
         for master, tp_slice in zip(unit.local_masters, unit.slices):
             if master.grad is not None:
-                (grads if tp_slice.tp_sharded or tp_copies == 1 else replicated).append(master.grad)
+                (grads if tp_slice.tp_sharded or tp_replicas == 1 else replicated).append(master.grad)
     norm_type = float(norm_type)
     device = state.device
-    everything = grads + replicated
+    all_grads = grads + replicated
     if math.isinf(norm_type):
-        maxima = [g.abs().max() for g in everything if g.numel()]
+        maxima = [g.abs().max() for g in all_grads if g.numel()]
         local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         total = local.float().reshape(1)
         collectives.all_reduce(state.recorder, GRAD_NORM_ALL_REDUCE, total, None, op=dist.ReduceOp.MAX)
@@ -182,7 +182,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, e
         def powered_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
             return sum((g.float().norm(norm_type) ** norm_type for g in tensors if g.numel()), torch.zeros((), device=device))
 
-        local = powered_sum(grads) + powered_sum(replicated) / tp_copies
+        local = powered_sum(grads) + powered_sum(replicated) / tp_replicas
         total = local.reshape(1)
         collectives.all_reduce(state.recorder, GRAD_NORM_ALL_REDUCE, total, None)
         # Every OS shard is held by N / s_os data-parallel replicas, each of which added it.
@@ -194,6 +194,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, e
             "nothing was clipped (error_if_nonfinite=False scales the gradients by it, like torch)"
         )
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if everything:
-        foreach_mul_(everything, coef)
+    if all_grads:
+        foreach_mul_(all_grads, coef)
     return norm

@@ -8,7 +8,8 @@ bytes a training step must move from the same specs and the same buffer geometry
 collectives against :func:`step_collectives`; the planner times them.
 
 Closed form, per rank and per step, for Φ parameters (padding aside), element sizes
-b_p (param dtype) and b_r (reduce dtype), M micro-batches, ring algorithm:
+b_p (param dtype) and b_r (reduce dtype), M micro-batches, ring algorithm; N is the
+number of data-parallel ranks, and under tensor parallelism Φ is this rank's TP slices:
 
 * params  all-gather over s_p, forward and (if resharded) backward, every micro-batch:
   message Φ·b_p, on the wire (s_p-1)/s_p · Φ·b_p each.
@@ -19,6 +20,13 @@ b_p (param dtype) and b_r (reduce dtype), M micro-batches, ring algorithm:
   (wire (1/s_g - 1/s_os)·Φ·b_r), all-reduce over N/s_os of Φ/s_os·b_r
   (wire 2(1/s_os - 1/N)·Φ·b_r), then all-gathers of the updated values back to the P
   layout: over s_os/s_g (Φ/s_g·b_p) and over s_g/s_p (Φ/s_p·b_p).
+
+Tensor parallelism's own collectives are not Lins': DTensor issues them on the TP
+group, the activations' all-gathers and reduce-scatters in forward and backward (the
+planner charges them as exposed compute-phase time) and the sum over the TP group of a
+TP-replicated parameter's Partial gradient (a sequence-parallel norm's weight: 2·dim
+values per block per micro-batch), which FSDP2 requests where P is sharded and Lins'
+replicated-P backend requests the same way; none is recorded by ``lins_stats``.
 
 Who issues what, and what it can hide behind. FSDP2 issues the parameter gathers and
 the P-group reduce-scatter (``issuer`` "fsdp2"): blocking on CPU, on FSDP2's streams on

@@ -34,13 +34,13 @@ inputs and gathered outputs live inside their chain.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Placement, distribute_tensor
-from torch.utils.hooks import RemovableHandle
+from torch.distributed.tensor import DTensor, Placement
 
 from lins_dtensor.collectives import (
     CommRecorder,
@@ -54,17 +54,19 @@ from lins_dtensor.collectives import (
 )
 from lins_dtensor.compat import (
     cast_fsdp_params_,
-    clear_swapped_grad_hooks,
+    rearm_post_accumulate_grad_hooks,
     foreach_add_,
     foreach_copy_,
     fsdp_wait_all_gather_streams,
     map_floating_tensors,
 )
 from lins_dtensor.executor import Body, Chain, Executor, Request
+from lins_dtensor.layout import chunk_rows
 from lins_dtensor.mesh import (
     GRAD_SHARD,
     OPTIM_REPLICA,
     OPTIM_SHARD,
+    TENSOR_PARALLEL,
     LinsMesh,
 )
 from lins_dtensor.plan import LinsPlan, LinsPlanError
@@ -103,16 +105,19 @@ class TensorParallelSlice:
         """Whether TP ranks hold different parts (else each holds the same values)."""
         return self.placement is not None and self.placement.is_shard()
 
+    def cut(self, whole: torch.Tensor, tp: int, index: int) -> torch.Tensor:
+        """TP rank ``index``'s slice of the whole parameter, cut as DTensor's ``Shard``
+        cuts it (torch.chunk geometry, the last slices possibly short or empty)."""
+        if not self.tp_sharded:
+            return whole
+        dim = self.placement.dim % whole.dim()
+        size = whole.size(dim)
+        return whole.narrow(dim, min(index * math.ceil(size / tp), size), chunk_rows(size, tp, index))
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's values on this rank: a DTensor's (TP's or FSDP2's) local part."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _data_ptr(param: torch.Tensor) -> int:
-    """Where a parameter's local values live (0 on the meta device)."""
-    with torch.no_grad():
-        return _local(param).data_ptr()
 
 
 @dataclasses.dataclass
@@ -158,7 +163,7 @@ class ShardedParams:
         module.set_custom_all_gather(LinsAllGather(ctx.recorder))
         module.set_custom_reduce_scatter(LinsReduceScatter(ctx.recorder))
         # Sum in the collectives (no AVG / PREMUL_SUM, which gloo lacks); Lins divides
-        # once at the step, after the gradient has been summed over every rank.
+        # once at the step, after the gradient has been summed over the data-parallel ranks.
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
         # Every parameter's gradient in every reduce, so the buffer layout is fixed.
@@ -180,9 +185,8 @@ class ShardedParams:
         for param in self.params:
             param.register_post_accumulate_grad_hook(_drop_grad)
 
-    def refresh(self) -> bool:
+    def refresh(self) -> None:
         """FSDP2 keeps its sharded parameters itself (across to_empty too)."""
-        return False
 
     def cast_(self, dtype: torch.dtype) -> None:
         cast_fsdp_params_(self.module, self.params, dtype)
@@ -213,9 +217,6 @@ class ReplicatedParams:
         self._arrived = 0
         self._sink: GradientSink | None = None
         self._rows: list[tuple[int, int]] = []
-        # Each parameter's gradient hook and the data it was registered on (refresh).
-        self._handles: list[RemovableHandle | None] = [None] * len(params)
-        self._hooked_data: list[int] = [0] * len(params)
         self._install_casts(module, mp_policy)
 
     def local_shards(self) -> list[torch.Tensor]:
@@ -228,39 +229,46 @@ class ReplicatedParams:
 
     def _hook(self, indices) -> None:
         for index in indices:
-            param = self.params[index]
-            if self._handles[index] is not None:
-                self._handles[index].remove()  # wherever it now sits (see refresh)
-                clear_swapped_grad_hooks(param)
-            self._handles[index] = param.register_post_accumulate_grad_hook(lambda p, i=index: self._arrive(i, p))
-            self._hooked_data[index] = _data_ptr(param)
+            self.params[index].register_post_accumulate_grad_hook(lambda p, i=index: self._arrive(i, p))
 
-    def refresh(self) -> bool:
-        """Follow parameters the model has replaced or re-allocated; True if any were.
+    def refresh(self) -> None:
+        """Follow parameters the model has replaced, and keep the gradient hooks armed.
 
         A replaced Parameter (``load_state_dict(assign=True)``, ``to_empty`` on plain
-        tensors) needs the hook on the new object. ``to_empty`` on a DTensor (TP)
-        parameter swaps the tensors' contents in place (``torch.utils.swap_tensors``),
-        which leaves its gradient hook dead: a parameter whose data moved is hooked
-        again, its old hook removed."""
+        tensors) is hooked anew. ``to_empty`` on a DTensor (TP) parameter swaps its
+        contents in place (``torch.utils.swap_tensors``), which keeps the hooks on the
+        object but disconnects them from autograd: every kept parameter's hooks are
+        re-armed (no-op when nothing was swapped)."""
         replaced = [i for i, ((m, name), p) in enumerate(zip(self._slots, self.params)) if m._parameters.get(name) is not p]
         for i in replaced:
             m, name = self._slots[i]
             new = m._parameters[name]
-            if new.shape != self.params[i].shape or new.dtype != self.params[i].dtype:
+            if new.shape != self.params[i].shape or new.dtype != self.params[i].dtype or type(new) is not type(self.params[i]):
                 raise LinsPlanError(
-                    f"parameter '{name}' of {type(m).__name__} was replaced by one of shape {tuple(new.shape)} and dtype "
-                    f"{new.dtype}, Lins holds {tuple(self.params[i].shape)} {self.params[i].dtype}; replace values in place"
+                    f"parameter '{name}' of {type(m).__name__} was replaced by a {type(new).__name__} of shape {tuple(new.shape)} "
+                    f"and dtype {new.dtype}, Lins holds a {type(self.params[i]).__name__} of {tuple(self.params[i].shape)} "
+                    f"{self.params[i].dtype}; replace values in place"
                 )
             self.params[i] = new
-        moved = [i for i, p in enumerate(self.params) if i in replaced or _data_ptr(p) != self._hooked_data[i]]
-        if moved and self._sink is not None:
-            self._hook(moved)
-        return bool(moved)
+        if self._sink is None:
+            return
+        self._hook(replaced)
+        for i, param in enumerate(self.params):
+            if i not in replaced:
+                rearm_post_accumulate_grad_hooks(param)
 
+    @torch.no_grad()
     def cast_(self, dtype: torch.dtype) -> None:
         for param in self.params:
-            param.data = param.data.to(dtype)
+            if isinstance(param, DTensor):
+                # ``param.data = ...`` would retype the DTensor but not its local tensor.
+                local = param.to_local().to(dtype)
+                cast = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                          stride=param.stride())
+                torch.utils.swap_tensors(param, nn.Parameter(cast, requires_grad=param.requires_grad))
+                rearm_post_accumulate_grad_hooks(param)  # hooked already when cast after to_empty
+            else:
+                param.data = param.data.to(dtype)
 
     def _arrive(self, index: int, param: nn.Parameter) -> None:
         # autograd's gradient, taken as it is (no copy); the parameter keeps none.
@@ -346,7 +354,7 @@ class LinsUnit:
         self.grad_buffer = torch.zeros(g.grads.chunk_numel, dtype=ctx.reduce_dtype, device=ctx.device)
         # fp32 masters on the OS layout: one flat buffer (the update gather's input),
         # seen as DTensors (what checkpoints hold) and as plain local tensors (what the
-        # optimizer steps; DTensor dispatch on a 4-D mesh would only add per-op
+        # optimizer steps; DTensor dispatch on a 4- or 5-D mesh would only add per-op
         # overhead to elementwise updates), all views of the same storage.
         self.master_flat: torch.Tensor | None = None
         self.masters: list[nn.Parameter] = []
@@ -401,7 +409,7 @@ class LinsUnit:
         return tuple(dim for dim, size in sizes if size > 1)
 
     def start_reduction(self) -> None:
-        """The G buffer -> the OS layout, summed over every rank (asynchronously)."""
+        """The G buffer -> the OS layout, summed over the data-parallel ranks (asynchronously)."""
         self.ctx.executor.wait(self.chain)
         if not self.g_has_data:
             return
@@ -556,7 +564,9 @@ class LinsUnit:
     def load_masters(self, state_dict: dict, prefix: str) -> bool:
         """Copy checkpoint values for this unit into its masters; True if any were present."""
         found = False
-        for fqn, master in zip(self.fqns, self.masters):
+        g, mesh = self.geometry, self.ctx.mesh
+        tp_index = self.ctx.coords.get(TENSOR_PARALLEL, 0)
+        for fqn, master, tp_slice, start, shape in zip(self.fqns, self.masters, self.slices, g.row_starts("optim"), g.local_shapes("optim")):
             value = state_dict.get(prefix + fqn)
             if value is None:
                 continue
@@ -570,9 +580,10 @@ class LinsUnit:
                 )
             if isinstance(value, DTensor):
                 value = value.full_tensor()
-            # Each rank cuts its own shard out of the whole value (no communication).
-            shard = distribute_tensor(value.to(master.device), master.device_mesh, master.placements, src_data_rank=None)
-            master.to_local().copy_(shard.to_local())  # shared with local_masters
+            # Each rank cuts its own shard out of the whole value where it lies (no
+            # communication); only the shard moves to the device.
+            rows = tp_slice.cut(value, mesh.tp, tp_index).narrow(0, start, shape[0])
+            master.to_local().copy_(rows)  # shared with local_masters
         return found
 
     def memory_bytes(self) -> dict[str, int]:

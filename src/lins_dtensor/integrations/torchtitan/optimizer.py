@@ -106,7 +106,7 @@ def build_lins_optimizers(model_parts: list[nn.Module], optimizer_config, parall
         "betas": (optimizer_config.beta1, optimizer_config.beta2),
         "eps": optimizer_config.eps,
         "weight_decay": optimizer_config.weight_decay,
-        # Masters are DTensors on a 4-D mesh: the foreach path works on every device.
+        # Masters are DTensors on the Lins mesh (4-D, 5-D with TP): the foreach path works on every device.
         "foreach": optimizer_config.implementation != "for-loop",
     }
     max_norm = min(getattr(m, MAX_NORM_ATTR, 0.0) for m in model_parts)

@@ -74,7 +74,8 @@ def check_parallelism(job_config) -> None:
 
 
 def check_config(job_config) -> None:
-    """Validate the ``[lins]`` section against the world size; raises LinsConfigError."""
+    """Validate the ``[lins]`` section against the world size, the ranks per node and the
+    TP degree; raises LinsConfigError."""
     lins = job_config.lins
     if not lins.enable:
         return
