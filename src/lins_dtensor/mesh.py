@@ -136,6 +136,13 @@ def mesh_shape(plan: LinsPlan, world_size: int) -> tuple[int, ...]:
     return (world_size // plan.optim, plan.params, plan.grads // plan.params, plan.optim // plan.grads)
 
 
+def mesh_layout(plan: LinsPlan, dp_world_size: int, tp: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The names and sizes of the mesh's dims: a leading ``tp`` dim when tp > 1."""
+    if tp == 1:
+        return MESH_DIMS, mesh_shape(plan, dp_world_size)
+    return (TENSOR_PARALLEL, *MESH_DIMS), (tp, *mesh_shape(plan, dp_world_size))
+
+
 def build_lins_mesh(
     plan: LinsPlan,
     world_size: int | None = None,
@@ -177,13 +184,8 @@ def build_lins_mesh(
     # Rank order is (replica, optim, grad, param, tp) outermost first; the mesh lists the
     # dims as ([tp,] replica, param, grad, optim) so that Shard(0) nests OS in G in P in
     # the TP slice.
-    ranks = torch.arange(world_size).view(r, o, g, p, tp).permute(4, 0, 3, 2, 1)
-    names = MESH_DIMS
-    if tp > 1:
-        names = (TENSOR_PARALLEL, *MESH_DIMS)
-    else:
-        ranks = ranks[0]
-    ranks = ranks.contiguous()
+    names, shape = mesh_layout(plan, world_size // tp, tp)
+    ranks = torch.arange(world_size).view(r, o, g, p, tp).permute(4, 0, 3, 2, 1).reshape(shape).contiguous()
     # Every dim gets process groups of its own. DeviceMesh would reuse the default group
     # for a dim that spans the world, and Lins' chains issue on their groups when earlier
     # collectives complete, a moment that differs between ranks: sharing a group with

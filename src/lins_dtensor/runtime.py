@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from lins_dtensor.collectives import CommRecorder, CommStream
 from lins_dtensor.compat import fsdp_unit_params, queue_backward_callback
 from lins_dtensor.executor import Executor
-from lins_dtensor.mesh import MESH_DIMS, TENSOR_PARALLEL, LinsMesh, mesh_shape
+from lins_dtensor.mesh import TENSOR_PARALLEL, LinsMesh, mesh_layout
 from lins_dtensor.plan import LinsPlan, LinsPlanError
 from lins_dtensor.schedule import UnitSchedule, default_max_inflight_bytes
 from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
@@ -390,8 +390,7 @@ def apply_lins(
     plan = mesh.plan if plan is None else plan
     if plan != mesh.plan:
         raise LinsPlanError(f"the mesh was built for plan '{mesh.plan}' but apply_lins got plan '{plan}'")
-    expected = ((mesh.tp,) if mesh.tp > 1 else ()) + mesh_shape(plan, mesh.dp_world_size)
-    dims = ((TENSOR_PARALLEL,) if mesh.tp > 1 else ()) + MESH_DIMS
+    dims, expected = mesh_layout(plan, mesh.dp_world_size, mesh.tp)
     if tuple(mesh.device_mesh.shape) != expected or mesh.device_mesh.mesh_dim_names != dims:
         raise LinsPlanError(f"mesh shape {tuple(mesh.device_mesh.shape)} does not match plan '{plan}' (expected {expected})")
     if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
