@@ -367,15 +367,15 @@ def test_tp2_matches_torchtitan_fsdp_tp_from_seed_checkpoint(tmp_path, assets, s
 @pytest.mark.timeout(1500)
 def test_tp2_checkpoint_saved_under_one_plan_resumes_under_another_at_world8(tmp_path, assets, seed_checkpoint):
     """World 8 (4 nodes x 2 ranks, TP 2 inside each: 4 data-parallel ranks). Saved at
-    step 2 under the Lins-only plan p=1,g=2,os=4, then resumed under the fsdp preset
-    (p=4,g=4,os=4): step 3 gives the uninterrupted run's loss."""
+    step 1 under the Lins-only plan p=1,g=2,os=4, then resumed under the fsdp preset
+    (p=4,g=4,os=4): step 2 gives the uninterrupted run's loss."""
     dump = tmp_path / "run"
-    args = _parity_args(dump, assets, seed_checkpoint, 3, *TP2, interval=2)
+    args = _parity_args(dump, assets, seed_checkpoint, 2, *TP2, interval=1)
     check(train([*args, "--lins.plan", "p=1,g=2,os=4"], nproc=8))
     want = losses(dump)
-    assert sorted(want) == [1, 2, 3]
-    shutil.rmtree(dump / "checkpoint" / "step-3")  # resume from step 2
+    assert sorted(want) == [1, 2]
+    shutil.rmtree(dump / "checkpoint" / "step-2")  # resume from step 1
     shutil.rmtree(dump / "tb", ignore_errors=True)
     proc = check(train([*args, "--lins.plan", "fsdp"], nproc=8))
-    assert "Training starts at step 3" in proc.stdout + proc.stderr
-    _assert_close(losses(dump), {3: want[3]}, LOSS_RTOL)
+    assert "Training starts at step 2" in proc.stdout + proc.stderr
+    _assert_close(losses(dump), {2: want[2]}, LOSS_RTOL)
