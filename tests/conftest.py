@@ -18,6 +18,8 @@ from lins_dtensor import valid_plans  # noqa: E402
 
 STEPS = 3
 WORLD8_PLANS = ["p=1,g=1,os=8", "p=2,g=2,os=8", "p=2,g=4,os=8", "p=4,g=4,os=4", "p=8,g=8,os=8", "hpz:4"]
+WORLD8_TOLD = ["p=1,g=1,os=8", "p=2,g=4,os=8", "hpz:4"]  # the overlapped executor: P replicated, in the node, hpZ
+WORLD8_MICROBATCHES = (1, 2)
 
 
 def _configs(plans, ranks_per_node, microbatches=(1, 3), **extra):
@@ -73,12 +75,13 @@ def reinit_runs():
 
 @pytest.fixture(scope="session")
 def world8_runs():
-    return run(train_lins, 8, _configs(WORLD8_PLANS, 4) + _configs(WORLD8_PLANS, 4, mode="told"))
+    m = WORLD8_MICROBATCHES
+    return run(train_lins, 8, _configs(WORLD8_PLANS, 4, microbatches=m) + _configs(WORLD8_TOLD, 4, microbatches=m, mode="told"))
 
 
 @pytest.fixture(scope="session")
 def references():
-    return {(world, m): reference(world, m, STEPS) for world in (4, 8) for m in (1, 3)}
+    return {**{(4, m): reference(4, m, STEPS) for m in (1, 3)}, **{(8, m): reference(8, m, STEPS) for m in WORLD8_MICROBATCHES}}
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ def test_every_world4_plan_matches_fp32_reference(world4_runs, references):
 def test_world8_plans_match_fp32_reference(world8_runs, references):
     # At world 8 the summation order of 8 ranks' gradients leaves stock FSDP2 itself
     # 1.2e-5 from the single-process reference on one weight after 3 AdamW steps with
-    # M = 3 (Adam divides by a small second moment there); Lins' fsdp plan is bitwise
+    # M = 3 (Adam divides by a small second moment there; the suite runs M = 1 and 2); Lins' fsdp plan is bitwise
     # equal to stock FSDP2. A wrong reduction is off by 1e-3 or more.
     at_step = {_key(r["config"], 8): r for r in world8_runs if r["config"].get("mode", "explicit") == "explicit"}
     for run in world8_runs:

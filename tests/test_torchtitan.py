@@ -335,7 +335,7 @@ def test_a_stopped_worker_ends_the_job_by_the_train_timeout(tmp_path, assets):
 
 # ----- slow: tensor parallelism ----------------------------------------------------------
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
-TP_STEPS = 3
+TP_STEPS = 2
 
 
 @pytest.fixture(scope="module")
