@@ -26,6 +26,12 @@ def chunk_rows(rows: int, k: int, index: int) -> int:
     return max(0, min(per_chunk, rows - index * per_chunk))
 
 
+def chunk_start(rows: int, k: int, index: int) -> int:
+    """First row of chunk ``index`` (an empty chunk starts at the end, so that narrowing
+    by it stays in range)."""
+    return min(index * math.ceil(rows / k), rows) if rows else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkLayout:
     """``k``-way chunking of tensors with ``rows[i]`` rows of ``row_numels[i]`` elements."""

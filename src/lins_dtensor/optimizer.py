@@ -23,6 +23,7 @@ from lins_dtensor import collectives
 from lins_dtensor.compat import foreach_mul_
 from lins_dtensor.plan import LinsPlanError
 from lins_dtensor.runtime import lins_state
+from lins_dtensor.units import local_values
 from lins_dtensor.schedule import GRAD_NORM_ALL_REDUCE
 
 
@@ -130,7 +131,7 @@ def local_nbytes(tensor: torch.Tensor | None) -> int:
     """Bytes this rank holds of ``tensor`` (its local shard for a DTensor; 0 for None)."""
     if tensor is None:
         return 0
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_values(tensor)
     return local.numel() * local.element_size()
 
 

@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from lins_dtensor.layout import ChunkLayout
+from lins_dtensor.layout import ChunkLayout, chunk_start
 from lins_dtensor.mesh import GRAD_SHARD, OPTIM_REPLICA, OPTIM_SHARD, PARAM_SHARD, mesh_shape
 from lins_dtensor.plan import LinsPlan
 
@@ -180,7 +180,7 @@ class UnitGeometry:
         starts = [0] * len(self.shapes)
         for name, index in (("params", self.param_index), ("grads", self.grad_index), ("optim", self.optim_index)):
             layout = self.layout(name)
-            starts = [s + min(index * p, r) for s, p, r in zip(starts, layout.padded_rows, layout.rows)]
+            starts = [s + chunk_start(r, layout.k, index) for s, r in zip(starts, layout.rows)]
             if name == level:
                 return starts
         raise ValueError(level)

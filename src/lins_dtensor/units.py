@@ -34,7 +34,6 @@ inputs and gathered outputs live inside their chain.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -61,7 +60,7 @@ from lins_dtensor.compat import (
     map_floating_tensors,
 )
 from lins_dtensor.executor import Body, Chain, Executor, Request
-from lins_dtensor.layout import chunk_rows
+from lins_dtensor.layout import chunk_rows, chunk_start
 from lins_dtensor.mesh import (
     GRAD_SHARD,
     OPTIM_REPLICA,
@@ -112,10 +111,10 @@ class TensorParallelSlice:
             return whole
         dim = self.placement.dim % whole.dim()
         size = whole.size(dim)
-        return whole.narrow(dim, min(index * math.ceil(size / tp), size), chunk_rows(size, tp, index))
+        return whole.narrow(dim, chunk_start(size, tp, index), chunk_rows(size, tp, index))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_values(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's values on this rank: a DTensor's (TP's or FSDP2's) local part."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -220,7 +219,7 @@ class ReplicatedParams:
         self._install_casts(module, mp_policy)
 
     def local_shards(self) -> list[torch.Tensor]:
-        return [_local(p.detach()) for p in self.params]
+        return [local_values(p.detach()) for p in self.params]
 
     def attach(self, ctx: ShardContext, sink: GradientSink, geometry: UnitGeometry) -> None:
         self._sink = sink
@@ -292,7 +291,7 @@ class ReplicatedParams:
         if self._arrived:
             for index, param in enumerate(self.params):
                 if self._pending[index] is None:
-                    self._pending[index] = torch.zeros_like(_local(param.detach()))
+                    self._pending[index] = torch.zeros_like(local_values(param.detach()))
             self._release()
 
     def _release(self) -> None:

@@ -102,8 +102,7 @@ def choose(job_config, model, world: int, rpn: int, tp: int = 1) -> tuple[LinsPl
         cluster, training = _cluster(job_config, world, rpn, tp), _training(job_config, world // tp)
         plan, explanation = choose_plan(_model_spec(model, tp), cluster, training)
     except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise LinsConfigError(f"[lins] plan = 'auto': {first}") from None
+        raise LinsConfigError(f"[lins] plan = 'auto': {_first_line(exc)}") from None
     run = _run_description(explanation.model, explanation.cluster, explanation.training, plan)
     return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster), run)
 
@@ -120,9 +119,12 @@ def predict(job_config, model, plan: LinsPlan, world: int, rpn: int, tp: int = 1
         run = _run_description(spec, cluster, training, plan)
         return Prediction(evaluate(plan, spec, cluster, training), baselines, None, _cluster_text(cluster), run)
     except Exception as exc:  # noqa: BLE001 - the table is informative only; training goes on
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        logger.warning(f"Lins: no planner prediction for plan {plan}: {first}")
+        logger.warning(f"Lins: no planner prediction for plan {plan}: {_first_line(exc)}")
         return None
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _cluster_text(cluster) -> str:
