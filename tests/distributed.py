@@ -13,13 +13,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-# Ranks are forked from a server that imported torch, Lins and the scenarios once for
-# the whole session: "spawn" imports them again in every rank of every launch, about
-# 14 s of a 4-rank launch on 2 cores. The server runs no torch op before forking (no
-# thread pools, no process group), so each rank starts as clean as a spawned one.
+# Ranks are forked from a server that imported torch, Lins, torchtitan's trainer and the
+# scenarios once for the whole session: "spawn" (or torchrun) imports them again in
+# every rank of every launch, about 14 s of a 4-rank launch on 2 cores, 20 s with
+# torchtitan (titan_runs.train forks its trainer ranks from this server too). The
+# server runs no torch op before forking (no thread pools, no process group) and the
+# imports start no thread, so each rank starts as clean as a spawned one. torchtitan
+# and Hugging Face read the offline switches at import: set before the server starts.
+# A module that cannot be imported (torchtitan absent) is skipped by the server.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 multiprocessing.set_forkserver_preload([
     "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "lins_dtensor",
-    "scenarios", "checkpoint_scenarios", "error_scenarios", "fault_scenarios",
+    "torchtitan.train", "scenarios", "checkpoint_scenarios", "error_scenarios", "fault_scenarios",
 ])
 
 

@@ -1,16 +1,17 @@
 """torchtitan integration: the trainer runs with Lins on 4 CPU ranks (gloo).
 
-Quick (unmarked): a wrong [lins] value stops the run with a one-line message, one
-end-to-end run whose loss falls and whose TensorBoard has the lins/* scalars, and a
-killed worker ending the job. Slow: parity with torchtitan's own FSDP from one seed
-checkpoint (fsdp preset and a Lins-only plan, with activation checkpointing, gradient
-accumulation and clipping), bf16 mixed precision, a worker killed mid-step and one
-killed while a checkpoint is being written (each job resumed to the uninterrupted
-losses), a stopped worker ending the job by the train timeout, and tensor parallelism:
-Lins + TP 2 against torchtitan's FSDP + TP 2, and a checkpoint saved under one (plan,
-TP) resumed under another at world 8.
+Quick (unmarked): a wrong [lins] value stops the run with a one-line message, and one
+end-to-end run, launched by torchrun, whose loss falls and whose TensorBoard has the
+lins/* scalars. Slow: parity with torchtitan's own FSDP from one seed checkpoint
+(fsdp preset and a Lins-only plan, with activation checkpointing, gradient
+accumulation and clipping), bf16 mixed precision, a worker killed mid-step (the job
+ends naming it) and one killed while a checkpoint is being written (each job resumed
+to the uninterrupted losses), a stopped worker ending the job by the train timeout,
+and tensor parallelism: Lins + TP 2 against torchtitan's FSDP + TP 2, and a checkpoint
+saved under one (plan, TP) resumed under another at world 8. The fault tests run
+under torchrun; the other jobs fork their ranks from the tests' preloaded server
+(titan_runs.train), which runs the same trainer main().
 """
-
 from __future__ import annotations
 
 import glob
@@ -118,7 +119,8 @@ def test_tensor_parallel_layouts_lins_cannot_run_are_refused_in_one_line(monkeyp
 @pytest.mark.timeout(660)
 def test_end_to_end_loss_falls_and_tensorboard_has_lins_scalars(tmp_path, assets):
     dump = tmp_path / "run"
-    proc = check(train(base_args(dump, assets, 5, "--lins.plan", "p=2,g=4,os=4", "--activation_checkpoint.mode", "none")))
+    proc = check(train(base_args(dump, assets, 5, "--lins.plan", "p=2,g=4,os=4", "--activation_checkpoint.mode", "none"),
+                       torchrun=True))
     loss = losses(dump)
     assert sorted(loss) == [1, 2, 3, 4, 5]
     assert loss[5] < loss[1] - 0.1, loss
@@ -308,28 +310,17 @@ def test_a_kill_during_checkpoint_save_resumes_from_the_previous_checkpoint(tmp_
     assert (checkpoints / "step-4" / ".metadata").is_file()
 
 
-@pytest.mark.timeout(300)
-def test_a_killed_worker_ends_the_job_naming_it(tmp_path, assets):
-    """A worker killed mid-step: the job exits non-zero within 30 s and says which rank
-    failed (torchrun's report)."""
-    args = base_args(tmp_path / "run", assets, 40, "--lins.plan", "p=1,g=2,os=4", "--activation_checkpoint.mode", "none")
-    (elapsed, returncode), output = stop_one_worker(args, after_line="step:  3", delay_s=0.3, sig=signal.SIGKILL)
-    assert returncode != 0
-    assert elapsed < 30, f"the job ran {elapsed:.0f} s after the worker died"
-    assert "rank      : 1" in output or "rank: 1" in output, output[-3000:]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_stopped_worker_ends_the_job_by_the_train_timeout(tmp_path, assets):
     """SIGSTOP one worker in the middle of a step: with --comm.train_timeout_seconds 5 the
     job ends (non-zero) instead of hanging on Lins' groups, which used to wait 30 min;
-    torchrun then needs its 30 s SIGTERM grace for the stopped worker."""
+    torchrun then kills the stopped worker after its SIGTERM grace (5 s here)."""
     args = base_args(tmp_path / "run", assets, 40, "--lins.plan", "p=1,g=2,os=4", "--comm.train_timeout_seconds", "5",
                      "--activation_checkpoint.mode", "none")
     (elapsed, returncode), output = stop_one_worker(args, after_line="step:  4", delay_s=0.3)
     assert returncode != 0
-    assert elapsed < 90, f"the job ran {elapsed:.0f} s after the worker stopped"
+    assert elapsed < 45, f"the job ran {elapsed:.0f} s after the worker stopped"
     assert "Timed out waiting 5000ms" in output, output[-3000:]
 
 

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
+
+import distributed  # noqa: F401  (the forkserver's preload, which train() forks its ranks from)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu_lins.toml"
@@ -38,8 +45,18 @@ def base_args(dump: Path, assets: Path, steps: int, *extra: str) -> list[str]:
     ]
 
 
-def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    """``torchrun -m lins_dtensor.train`` (``nproc`` = 1: plain ``python -m``)."""
+def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict | None = None,
+          torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run the trainer (``lins_dtensor.train``) on ``nproc`` ranks and return rank 0's
+    stdout and stderr (and, after a failure, the failed ranks' output in stderr).
+
+    The ranks fork from the tests' preloaded server (:mod:`distributed`): the same
+    ``main()`` that ``python -m lins_dtensor.train`` runs, without ~20 s of imports
+    per launch. ``torchrun=True``: the real command line, ``torchrun -m
+    lins_dtensor.train`` (``nproc`` = 1: plain ``python -m``), for the tests of what
+    the launcher sees."""
+    if not torchrun:
+        return _forked(args, nproc, timeout, extra_env or {})
     if nproc == 1:
         cmd = [sys.executable, "-m", "lins_dtensor.train", *args]
     else:
@@ -48,6 +65,82 @@ def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict |
     e = env()
     e.update(extra_env or {})
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def _forked(args: list[str], nproc: int, timeout: int, extra_env: dict) -> subprocess.CompletedProcess:
+    ctx = multiprocessing.get_context("forkserver")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(nproc)]
+        ranks = [ctx.Process(target=_trainer_rank, args=(rank, nproc, port, args, logs[rank], extra_env)) for rank in range(nproc)]
+        for p in ranks:
+            p.start()
+        timed_out = _wait(ranks, time.monotonic() + timeout)
+        outputs = [tuple(Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in pair) for pair in logs]
+    if timed_out:
+        raise subprocess.TimeoutExpired(["lins_dtensor.train", *args], timeout, output=outputs[0][0], stderr=outputs[0][1])
+    codes = [p.exitcode for p in ranks]
+    failed = "".join(f"\n--- rank {r} exited {c} ---\n{outputs[r][0]}{outputs[r][1]}" for r, c in enumerate(codes) if r and c)
+    return subprocess.CompletedProcess(["lins_dtensor.train", *args], next((c for c in codes if c), 0),
+                                       outputs[0][0], outputs[0][1] + failed)
+
+
+def _wait(ranks: list, deadline: float) -> bool:
+    """Wait for every rank; once one fails, stop the others as torchrun would (they
+    would otherwise wait in a collective for the process-group timeout). Returns
+    whether the deadline passed first (every rank is then killed)."""
+    alive = list(ranks)
+    while alive and time.monotonic() < deadline:
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=deadline - time.monotonic())
+        alive = [p for p in alive if p.is_alive()]
+        if any(p.exitcode for p in ranks if p not in alive):
+            for p in alive:
+                p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            return False
+    for p in alive:
+        p.kill()
+        p.join()
+    return bool(alive)
+
+
+def _trainer_rank(rank: int, nproc: int, port: int, args: list[str], logs: tuple[str, str], extra_env: dict) -> None:
+    """One rank, in a process forked from the preloaded server: torchrun's environment,
+    its own stdout/stderr files, then the trainer's ``main()``; exits with its status."""
+    import torch
+
+    from lins_dtensor.train import main
+
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(extra_env)
+    torch.set_num_threads(1)  # as torchrun's workers with OMP_NUM_THREADS=1 (env() sets it)
+    for fd, path in zip((1, 2), logs):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.stdout.reconfigure(line_buffering=True)  # what a killed or timed-out rank printed stays
+    sys.stderr.reconfigure(line_buffering=True)
+    sys.argv = ["lins_dtensor.train", *args]
+    # torchtitan's ConfigManager.parse_args(args=sys.argv[1:]) bound its default when the
+    # server imported it, with the server's argv: give it this job's.
+    from torchtitan.config import ConfigManager
+
+    ConfigManager.parse_args.__defaults__ = (args,)
+    code = 1
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def stop_one_worker(args: list[str], after_line: str, delay_s: float, nproc: int = 4, rank: int = 1,
@@ -65,7 +158,10 @@ def stop_one_worker(args: list[str], after_line: str, delay_s: float, nproc: int
     if hold_write_of is not None:
         entry = [str(Path(__file__).resolve())]
         run_env[HOLD_ENV] = f"{hold_write_of}:{rank}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry, *args]
+    # torchrun gives the other workers 5 s after its SIGTERM (default 30) before SIGKILL:
+    # a SIGSTOPped worker never exits by itself.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--shutdown_timeout", "5",
+           *entry, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in proc.stdout:
