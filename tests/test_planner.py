@@ -562,3 +562,21 @@ def test_planner_adds_fsdp2_host_time_per_unit_and_microbatch():
     base, slow = evaluate(plan, model, cluster, training), evaluate(plan, model, hooked, training)
     units = len(model.unit_shapes())
     assert slow.step_s - base.step_s == pytest.approx(4 * units * 1e-3)
+
+
+def test_intra_node_collectives_cannot_hide_where_the_cores_move_them():
+    """On the emulated cluster (``intra_comm_hides=False``: loopback collectives are work
+    for the cores that compute) every Lins collective inside a node is exposed in full;
+    where they can hide (GPU presets) some of them do. FSDP2's collectives and the
+    cross-node ones are costed the same either way."""
+    model, training = model_preset("debugmodel"), TrainingSpec(seq_len=256, global_batch_tokens=256 * 8 * 4)
+    gpu = ClusterSpec.preset("h100", 8, 4)
+    cpu = dataclasses.replace(gpu, hardware=dataclasses.replace(gpu.hardware, intra_comm_hides=False))
+    assert hardware_preset("cpu-emulated").intra_comm_hides is False and hardware_preset("h100").intra_comm_hides
+    plan = LinsPlan.parse("p=1,g=4,os=8", 8)  # G reduce-scattered in the node every micro-batch, OS across nodes
+    hides, blocks = evaluate(plan, model, gpu, training), evaluate(plan, model, cpu, training)
+    intra = sum(t for r, t in zip(blocks.records, blocks.record_s) if r.link == "intra")
+    assert sum(blocks.exposed_s.values()) >= intra > 0
+    assert sum(hides.exposed_s.values()) < sum(blocks.exposed_s.values()) and blocks.compute_s == hides.compute_s
+    fsdp = LinsPlan.parse("fsdp", 8)  # FSDP2's collectives only: its own overlap model either way
+    assert evaluate(fsdp, model, cpu, training).step_s == evaluate(fsdp, model, gpu, training).step_s

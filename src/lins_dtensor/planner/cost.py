@@ -13,7 +13,9 @@ runtime sends. Overlap follows who issues each collective (``CollectiveSpec.issu
   reduce-scatter behind the rest of that micro-batch and the next one; the step
   reductions behind the last micro-batch's backward (the chain of the unit whose
   gradient comes last, the first unit, always shows); the update gathers behind the
-  next forward (the first unit's always shows).
+  next forward (the first unit's always shows). Where the hardware says a collective
+  inside a node cannot hide (``intra_comm_hides``: the emulated CPU cluster, whose
+  loopback copies run on the cores that compute), Lins' intra-node ones are exposed.
 
 Compute is the model FLOPs at the device's rate, plus the memory-bound work around the
 collectives (:func:`lins_dtensor.schedule.local_copy_bytes` at the copy bandwidth) and
@@ -173,7 +175,8 @@ def evaluate(
     compute["forward"] += hooks / 3
     compute["backward"] += 2 * hooks / 3
 
-    exposed, exposed_state = _exposed(records, record_s, record_phase, issuer, compute, m, training, _first_unit_chains(collectives, seconds, units))
+    exposed, exposed_state = _exposed(records, record_s, record_phase, issuer, compute, m, training,
+                                      _first_unit_chains(collectives, seconds, units), hw.intra_comm_hides)
     for phase, seconds_tp in tensor_parallel_seconds(model, cluster, training, timer, m).items():
         comm[phase] += seconds_tp
         exposed[phase] += seconds_tp
@@ -215,7 +218,7 @@ def _first_unit_chains(collectives, seconds, units) -> tuple[float, float]:
 
 
 def _exposed(records, record_s, record_phase, issuer, compute, m: int, training: TrainingSpec,
-             first_unit: tuple[float, float]) -> tuple[dict[str, float], dict[str, float]]:
+             first_unit: tuple[float, float], intra_hides: bool = True) -> tuple[dict[str, float], dict[str, float]]:
     """The part of each phase's communication that does not hide behind compute, and the
     same seconds by the state the collectives move (what Lins' stats measure: a run's
     exposed time per state calibrates the links separately); a term that collectives of
@@ -226,8 +229,11 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
     norm: dict[str, float] = {}
     gathers: dict[str, float] = {}
     reductions: dict[str, float] = {}
+    unhidden: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}  # Lins' intra-node collectives where they cannot hide
     for r, t, phase, who in zip(records, record_s, record_phase, issuer):
-        if who == "fsdp2":
+        if who != "fsdp2" and not intra_hides and r.link == "intra" and r.name != GRAD_NORM_ALL_REDUCE.name:
+            part = unhidden[phase]
+        elif who == "fsdp2":
             part = fsdp[phase]
             fsdp_calls[phase] += r.count
         elif r.name == GRAD_SHARD_REDUCE_SCATTER.name:
@@ -249,11 +255,12 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
         return seconds
 
     grads = GRAD_SHARD_REDUCE_SCATTER.state
+    blocked = {phase: charge(sum(part.values()), part) for phase, part in unhidden.items()}
     if not training.overlap:
         exposed = {phase: charge(sum(fsdp[phase].values()), fsdp[phase]) for phase in ("forward", "backward")}
         exposed["backward"] += charge(grad_shard, {grads: grad_shard})
         exposed["step"] = sum(charge(sum(part.values()), part) for part in (reductions, gathers, norm))
-        return exposed, by_state
+        return {phase: v + blocked[phase] for phase, v in exposed.items()}, by_state
 
     exposed = {"step": charge(sum(norm.values()), norm)}
     for phase in ("forward", "backward"):
@@ -281,4 +288,4 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
         exposed["step"] += charge(max(min(first_gather, gathers_s), gathers_s - forward_room), gathers)
     else:
         exposed["step"] += charge(gathers_s, gathers)
-    return exposed, by_state
+    return {phase: v + blocked[phase] for phase, v in exposed.items()}, by_state

@@ -62,6 +62,10 @@ class HardwareSpec:
     # gloo reduce-scatters by all-reducing a copy of the whole buffer and keeping its
     # shard (ProcessGroupGloo::reduce_scatter_tensor_coalesced): an all-reduce's time.
     reduce_scatter_is_all_reduce: bool = False
+    # Whether a collective inside a node can run behind compute. False on the emulated
+    # cluster: gloo over loopback copies through the kernel on the very cores that
+    # compute, so an intra-node collective is host work, which nothing hides.
+    intra_comm_hides: bool = True
 
     @property
     def copy_bandwidth(self) -> float:
@@ -86,7 +90,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "cpu-emulated": HardwareSpec(
         "cpu-emulated", 2, 24 * GiB, 30e9, 0.35 * GB, 400e6 / 8, 10e9,
         alpha_intra=50e-6, alpha_inter=200e-6, tree_alpha=math.inf, efficiency=0.5, reserved_bytes=0.3 * GiB, memory_shared_by_world=True,
-        reduce_scatter_is_all_reduce=True,
+        reduce_scatter_is_all_reduce=True, intra_comm_hides=False,
     ),
 }
 
