@@ -183,3 +183,17 @@ def test_link_floor_is_the_larger_of_compute_and_link_time():
     pred = {"compute_s": {"forward": 0.2, "backward": 0.4, "step": 0.1}}
     floor = link_floor(pred, {"inter_nic_bytes": 6e6}, "300mbit", ranks_per_node=4)
     assert floor["link_s"] == pytest.approx(4 * 6e6 / 37.5e6) and floor["floor_s"] == pytest.approx(0.7)
+
+
+def test_lins_comm_time_is_the_median_of_the_timed_steps():
+    """Each state's exposed and hidden seconds are medians over the timed steps, like the
+    step time (one outlier step does not set them); a state a step lacks counts as 0."""
+    from lins_dtensor.bench.measure import median_comm_time
+
+    steps = [
+        {"grads": {"exposed": 1.0, "hidden": 0.5}, "optim": {"exposed": 0.2, "hidden": 0.1}},
+        {"grads": {"exposed": 9.0, "hidden": 0.4}, "optim": {"exposed": 0.3, "hidden": 0.2}},
+        {"grads": {"exposed": 1.2, "hidden": 0.6}},
+    ]
+    assert median_comm_time(steps) == {"grads": {"exposed": 1.2, "hidden": 0.5}, "optim": {"exposed": 0.2, "hidden": 0.1}}
+    assert median_comm_time(steps[:1]) == steps[0]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lins_dtensor.planner.calibrate import (
+    Calibration,
     CalibrationRun,
     Measurement,
     fit,
@@ -182,26 +183,29 @@ def test_cli_bad_hardware_file_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def bench_rows() -> dict[tuple[str, int], Measurement]:
-    """Each measured Lins plan of the committed emulated-cluster run, with Lins' own
-    measured exposed communication per state (the other strategies are other runtimes)."""
+def bench_rows(bench: dict = BENCH) -> dict[tuple[str, int], Measurement]:
+    """Each measured Lins plan of an emulated-cluster run, with Lins' own measured
+    exposed communication per state (the other strategies are other runtimes)."""
     rows = {}
-    for s in BENCH["strategies"]:
+    for s in bench["strategies"]:
         if s["instance"].startswith("lins:"):
             comm = {state: v["exposed"] for state, v in s["comm_time_s"].items()}
             rows[(s["plan"], s["microbatches"])] = Measurement(s["plan"], s["step_time_s"]["median"], s["microbatches"], comm)
     return rows
 
 
-def test_bench_calibrate_from_one_plan_predicts_the_others():
-    """From the 'cpu-emulated' preset (what a CPU torchtitan run starts from), calibrated
+CALIBRATED_ON = ("p=4,g=4,os=8", 4)
+
+
+def calibrate_on_the_budgeted_pick(bench: dict) -> tuple[CalibrationRun, Calibration, dict, dict]:
+    """From the 'cpu-emulated' preset (what a CPU torchtitan run starts from), calibrate
     on the plan the planner chose under the memory budget with 4 micro-batches
     (p=4,g=4,os=8: P and G inside a node, OS across, so its exposed time per state
     determines both bandwidths; the M=1 pick, ZeRO-2, sends everything across the
-    nodes and leaves the intra-node bandwidth at the preset's), predict the other Lins
-    plans measured on the same cluster. What stays off is FSDP2's per-unit host time,
-    which a plan with P sharded folds into the fitted efficiency."""
-    meta = BENCH["meta"]
+    nodes and leaves the intra-node bandwidth at the preset's) and predict the other
+    Lins plans measured in the same run: (run, calibration, calibrated and preset
+    relative errors per other plan)."""
+    meta = bench["meta"]
     shape = meta["model"]
     model = decoder_spec("bench", n_layers=shape["n_layers"], dim=shape["dim"], ffn_dim=shape["ffn_dim"],
                          n_heads=shape["n_heads"], vocab_size=shape["vocab_size"])
@@ -209,22 +213,44 @@ def test_bench_calibrate_from_one_plan_predicts_the_others():
                             master_bytes=4, activation_bytes=4, clip_grad_norm=True,
                             overlap_fraction=meta["overlap_fraction"], lins_overlap_fraction=meta["lins_overlap_fraction"])
     cluster = ClusterSpec(meta["world_size"], meta["ranks_per_node"], hardware_preset("cpu-emulated"))
-    rows = bench_rows()
-    key = ("p=4,g=4,os=8", 4)
-    assert [p["plan"] for p in meta["planner"] if p["microbatches"] == 4 and p["budget"] == "0.0625 GiB"] == [key[0]]
-    run = CalibrationRun(model, cluster, training, [rows.pop(key)])
+    rows = bench_rows(bench)
+    assert [p["plan"] for p in meta["planner"] if p["microbatches"] == 4 and p["budget"] == "0.0625 GiB"] == [CALIBRATED_ON[0]]
+    run = CalibrationRun(model, cluster, training, [rows.pop(CALIBRATED_ON)])
     cal = fit(run)
-    assert cal.fitted == ["efficiency", "inter_bw", "intra_bw"]
-    assert cal.after[0] == pytest.approx(run.measurements[0].step_s, rel=0.03)
     errors = {k: predict(run, cal.hardware, m).step_s / m.step_s - 1 for k, m in rows.items()}
     preset = {k: predict(run, cluster.hardware, m).step_s / m.step_s - 1 for k, m in rows.items()}
     print("\n".join(f"{p:<14} M={mb} calibrated {errors[(p, mb)]:+.1%} preset {preset[(p, mb)]:+.1%}" for p, mb in rows))
-    assert all(abs(errors[k]) < abs(preset[k]) for k in rows), errors
+    return run, cal, errors, preset
+
+
+def test_bench_calibrate_from_one_plan_predicts_the_others():
+    """The committed run: 7 of the 8 other plans within 15 %. What stays off is FSDP2's
+    per-unit host time, which a plan with P sharded folds into the fitted efficiency."""
+    run, cal, errors, preset = calibrate_on_the_budgeted_pick(BENCH)
+    start = run.cluster.hardware
+    assert cal.fitted == ["efficiency", "inter_bw", "intra_bw"]
+    assert cal.after[0] == pytest.approx(run.measurements[0].step_s, rel=0.03)
+    assert all(abs(errors[k]) < abs(preset[k]) for k in errors), errors
     assert all(abs(e) < 0.20 for e in errors.values()), errors
     assert sum(abs(e) < 0.15 for e in errors.values()) >= 7, errors
-    assert sum(map(abs, errors.values())) / len(errors) < 0.15, errors
+    assert sum(map(abs, errors.values())) / len(errors) < 0.12, errors
     # The link was rate-limited to 300 Mbit/s (37.5 MB/s); gloo on loopback, on a
     # 2-core host shared by 8 ranks, moves ~0.1 GB/s (the run's bandwidth table).
-    assert cal.hardware.inter_bw == pytest.approx(37.5e6, rel=0.1) and cal.hardware.inter_bw < cluster.hardware.inter_bw
-    assert 0.05e9 < cal.hardware.intra_bw < 0.2e9 < cluster.hardware.intra_bw
-    assert not math.isclose(cal.hardware.efficiency, cluster.hardware.efficiency)
+    assert cal.hardware.inter_bw == pytest.approx(37.5e6, rel=0.1) and cal.hardware.inter_bw < start.inter_bw
+    assert 0.05e9 < cal.hardware.intra_bw < 0.2e9 < start.intra_bw
+    assert not math.isclose(cal.hardware.efficiency, start.efficiency)
+
+
+def test_bench_calibration_round_trip_on_a_second_run_misses_15_percent():
+    """The same round trip on a second run of the same benchmark, same day and script
+    (bench/results/rerun-2026-12-01): the calibration still beats the preset on every
+    plan, but only 1 of 8 is within 15 % (mean 25 %) and the fitted link (43 MB/s)
+    exceeds its 37.5 MB/s rate. Kept as measured: the calibration is only as good as
+    the one plan it reads, and this machine's run-to-run spread is of the target's size."""
+    second = json.loads((ROOT / "bench" / "results" / "rerun-2026-12-01" / "cluster.json").read_text())
+    run, cal, errors, preset = calibrate_on_the_budgeted_pick(second)
+    assert cal.fitted == ["efficiency", "inter_bw", "intra_bw"]
+    assert all(abs(errors[k]) < abs(preset[k]) for k in errors), errors
+    assert sum(abs(e) < 0.15 for e in errors.values()) == 1, errors
+    assert 0.20 < sum(map(abs, errors.values())) / len(errors) < 0.30, errors
+    assert cal.hardware.inter_bw > 37.5e6

@@ -51,8 +51,8 @@ METHODS = {
                  "model (FSDP2 0: it blocks on its collectives on CPU; Lins as calibrated) and with a reference one (0.8 "
                  "for both, the planner's GPU default); other strategies are costed as the Lins plan with the same "
                  "collectives, issued the way that strategy issues them",
-    "comm_time": "Lins rows: lins_stats(model).comm_time() of the last timed step, mean over ranks: seconds of collective "
-                 "time the host waited for (exposed; FSDP2's collectives block, so all of theirs) and seconds that ran "
+    "comm_time": "Lins rows: lins_stats(model).comm_time() after each timed step, per state the median over the "
+                 "timed steps, mean over ranks: seconds of collective time the host waited for (exposed; FSDP2's collectives block, so all of theirs) and seconds that ran "
                  "while it computed (hidden), by state",
     "link_floor": "the step time if every collective hid behind compute: max(predicted compute, the node link's time for "
                   "the inter-node bytes of all its ranks at the link rate)",
@@ -133,8 +133,8 @@ def make_row(
 
 
 def mean_comm_time(per_rank: list[dict | None]) -> dict | None:
-    """Lins' exposed and hidden collective seconds per state in the last timed step,
-    averaged over the ranks (None for strategies Lins does not run)."""
+    """Lins' exposed and hidden collective seconds per state (each rank's median over the
+    timed steps), averaged over the ranks (None for strategies Lins does not run)."""
     if not per_rank or per_rank[0] is None:
         return None
     states = per_rank[0]
