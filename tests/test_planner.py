@@ -580,3 +580,11 @@ def test_intra_node_collectives_cannot_hide_where_the_cores_move_them():
     assert sum(hides.exposed_s.values()) < sum(blocks.exposed_s.values()) and blocks.compute_s == hides.compute_s
     fsdp = LinsPlan.parse("fsdp", 8)  # FSDP2's collectives only: its own overlap model either way
     assert evaluate(fsdp, model, cpu, training).step_s == evaluate(fsdp, model, gpu, training).step_s
+
+
+def test_small_budgets_and_byte_counts_keep_their_figures_in_messages():
+    """A 64 MiB budget reads 0.0625 GiB in the one-line refusal, not 0.1."""
+    cluster = ClusterSpec.preset("h100", 8, memory_budget_bytes=64 * 2**20)
+    with pytest.raises(PlannerError) as refused:
+        choose_plan(model_preset("llama_7b"), cluster, TrainingSpec(seq_len=2048))
+    assert "over the 0.0625 GiB budget" in str(refused.value) and str(refused.value).count("\n") == 0

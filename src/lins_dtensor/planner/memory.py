@@ -21,6 +21,12 @@ from lins_dtensor.planner.training import TrainingSpec
 from lins_dtensor.schedule import UnitGeometry, UnitSchedule, chain_buffer_bytes, default_max_inflight_bytes, state_memory_bytes
 
 GiB = 1 << 30
+
+
+def figure(value: float, decimals: int = 1) -> str:
+    """``decimals`` places from 1 up, three significant figures below: a 64 MiB budget
+    is 0.0625 GiB in a message, not 0.1, and a small model's link bytes are not 0.00 GB."""
+    return f"{value:.{decimals}f}" if abs(value) >= 1 else f"{value:.3g}"
 _RANK0 = {dim: 0 for dim in MESH_DIMS}
 
 

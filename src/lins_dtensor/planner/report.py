@@ -8,7 +8,7 @@ changes meaning.
 from __future__ import annotations
 
 from lins_dtensor.planner.cost import PlanCost
-from lins_dtensor.planner.memory import GiB
+from lins_dtensor.planner.memory import GiB, figure
 from lins_dtensor.planner.search import Explanation
 
 FORMAT = "lins-plan/1"
@@ -132,11 +132,11 @@ def to_text(ex: Explanation, top: int = 10) -> str:
         f"Lins planner: {setting_text(ex)}",
         f"bandwidth: {'measured table' if ex.cluster.bandwidth is not None else 'alpha-beta model of ' + ex.cluster.hardware.name}"
         + (f" (alpha-beta for {len(ex.table_fallbacks)} unmeasured shapes)" if ex.table_fallbacks else "")
-        + f"; memory budget {ex.cluster.memory_budget / GiB:.1f} GiB per rank",
+        + f"; memory budget {figure(ex.cluster.memory_budget / GiB)} GiB per rank",
         f"{len(ex.ranked) + len(ex.dropped)} valid plans, {len(ex.dropped)} dropped for memory"
         + (
-            f" (closest miss {ex.dropped[0].plan}: {ex.dropped[0].memory.peak / GiB:.1f} GiB, "
-            f"{ex.dropped[0].over_bytes / GiB:.1f} GiB over)" if ex.dropped else ""
+            f" (closest miss {ex.dropped[0].plan}: {figure(ex.dropped[0].memory.peak / GiB)} GiB, "
+            f"{figure(ex.dropped[0].over_bytes / GiB)} GiB over)" if ex.dropped else ""
         ),
         "",
         f"  {'':<16} {'plan':<26} {'split P | G | OS':<20} {'step s':>8} {'MFU':>6} {'mem GiB':<16} {'inter GB':>8} {'vs best':>7}",

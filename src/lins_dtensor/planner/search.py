@@ -14,7 +14,7 @@ from lins_dtensor.plan import LinsPlan, LinsPlanError, valid_plans
 from lins_dtensor.planner.bandwidth import CollectiveTimer
 from lins_dtensor.planner.cost import PlanCost, evaluate
 from lins_dtensor.planner.hardware import ClusterSpec
-from lins_dtensor.planner.memory import GiB
+from lins_dtensor.planner.memory import GiB, figure
 from lins_dtensor.planner.models import ModelSpec, PlannerError, model_from_module, model_from_text
 from lins_dtensor.planner.training import TrainingSpec
 
@@ -104,7 +104,7 @@ def explain_winner(win: PlanCost, baselines: list[Baseline]) -> str:
     """One line: what the winner saves, on which link, against the fastest baseline that fits."""
     best = fastest_fitting_baseline(baselines)
     if best is None:
-        return f"{win.plan} fits in memory ({win.memory.peak / GiB:.1f} GiB) where none of the named baselines does"
+        return f"{win.plan} fits in memory ({figure(win.memory.peak / GiB)} GiB) where none of the named baselines does"
     if best.plan == win.plan:
         return f"the fastest plan is {best.name} itself ({win.plan}); no other sharding of P, G, OS predicts a shorter step"
     w, b = win.by_link(exposed=True), best.cost.by_link(exposed=True)  # type: ignore[union-attr]
@@ -116,16 +116,16 @@ def explain_winner(win: PlanCost, baselines: list[Baseline]) -> str:
     if speedup < 1.02:
         return (
             f"{win.plan} ties with {best.name} ({best.plan}), the fastest baseline that fits "
-            f"({speedup:.3f}x), and needs {win.memory.peak / GiB:.1f} GiB per rank vs "
-            f"{best.cost.memory.peak / GiB:.1f} with {win.link_bytes('inter') / 1e9:.2f} vs "  # type: ignore[union-attr]
-            f"{best.cost.link_bytes('inter') / 1e9:.2f} GB per rank through the inter-node NICs"  # type: ignore[union-attr]
+            f"({speedup:.3f}x), and needs {figure(win.memory.peak / GiB)} GiB per rank vs "
+            f"{figure(best.cost.memory.peak / GiB)} with {figure(win.link_bytes('inter') / 1e9, 2)} vs "  # type: ignore[union-attr]
+            f"{figure(best.cost.link_bytes('inter') / 1e9, 2)} GB per rank through the inter-node NICs"  # type: ignore[union-attr]
         )
     what = {"params": "parameter gathers", "grads": "gradient reductions", "optim": "optimizer-step collectives"}[state]
     return (
         f"{win.plan} is {speedup:.2f}x faster than {best.name} ({best.plan}), the fastest baseline that fits: "
         f"exposed {what} on {link}-node links drop from {bs['seconds']:.3f} s to {ws['seconds']:.3f} s per step "
-        f"({bs['link_bytes'] / 1e9:.2f} -> {ws['link_bytes'] / 1e9:.2f} GB per rank on that link), "
-        f"at {win.memory.peak / GiB:.1f} GiB per rank"
+        f"({figure(bs['link_bytes'] / 1e9, 2)} -> {figure(ws['link_bytes'] / 1e9, 2)} GB per rank on that link), "
+        f"at {figure(win.memory.peak / GiB)} GiB per rank"
     )
 
 
@@ -159,15 +159,15 @@ def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *,
         least = dropped[0]
         raise PlannerError(
             f"{spec.name} fits no plan on {cluster.gpus} x {cluster.hardware.name}: even {least.plan} needs "
-            f"{least.memory.peak / GiB:.1f} GiB per rank, {least.over_bytes / GiB:.1f} GiB over the "
-            f"{cluster.memory_budget / GiB:.1f} GiB budget"
+            f"{figure(least.memory.peak / GiB)} GiB per rank, {figure(least.over_bytes / GiB)} GiB over the "
+            f"{figure(cluster.memory_budget / GiB)} GiB budget"
         )
     win = pick_winner(ranked, tie_tolerance)
     reason = explain_winner(win, baselines)
     if win is not ranked[0]:
         reason += (
             f"; the fastest prediction, {ranked[0].plan}, is only {win.step_s / ranked[0].step_s - 1:.1%} faster "
-            f"but sends {ranked[0].link_bytes('inter') / 1e9:.1f} GB per rank across nodes vs {win.link_bytes('inter') / 1e9:.1f}"
+            f"but sends {figure(ranked[0].link_bytes('inter') / 1e9)} GB per rank across nodes vs {figure(win.link_bytes('inter') / 1e9)}"
         )
     return Explanation(spec, cluster, training, win, ranked, dropped, baselines, reason, sorted(timer.fallbacks))
 
