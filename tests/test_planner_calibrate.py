@@ -197,13 +197,10 @@ def bench_rows(bench: dict = BENCH) -> dict[tuple[str, int], Measurement]:
 CALIBRATED_ON = ("p=4,g=4,os=8", 4)
 
 
-def calibrate_on_the_budgeted_pick(bench: dict) -> tuple[CalibrationRun, Calibration, dict, dict]:
+def calibrate_on(bench: dict, key: tuple[str, int]) -> tuple[CalibrationRun, Calibration, dict, dict]:
     """From the 'cpu-emulated' preset (what a CPU torchtitan run starts from), calibrate
-    on the plan the planner chose under the memory budget with 4 micro-batches
-    (p=4,g=4,os=8: P and G inside a node, OS across, so its exposed time per state
-    determines both bandwidths; the M=1 pick, ZeRO-2, sends everything across the
-    nodes and leaves the intra-node bandwidth at the preset's) and predict the other
-    Lins plans measured in the same run: (run, calibration, calibrated and preset
+    on the Lins plan ``key`` = (plan, M) of an emulated-cluster run and predict the
+    other Lins plans measured in the same run: (run, calibration, calibrated and preset
     relative errors per other plan)."""
     meta = bench["meta"]
     shape = meta["model"]
@@ -214,13 +211,23 @@ def calibrate_on_the_budgeted_pick(bench: dict) -> tuple[CalibrationRun, Calibra
                             overlap_fraction=meta["overlap_fraction"], lins_overlap_fraction=meta["lins_overlap_fraction"])
     cluster = ClusterSpec(meta["world_size"], meta["ranks_per_node"], hardware_preset("cpu-emulated"))
     rows = bench_rows(bench)
-    assert [p["plan"] for p in meta["planner"] if p["microbatches"] == 4 and p["budget"] == "0.0625 GiB"] == [CALIBRATED_ON[0]]
-    run = CalibrationRun(model, cluster, training, [rows.pop(CALIBRATED_ON)])
+    run = CalibrationRun(model, cluster, training, [rows.pop(key)])
     cal = fit(run)
     errors = {k: predict(run, cal.hardware, m).step_s / m.step_s - 1 for k, m in rows.items()}
     preset = {k: predict(run, cluster.hardware, m).step_s / m.step_s - 1 for k, m in rows.items()}
-    print("\n".join(f"{p:<14} M={mb} calibrated {errors[(p, mb)]:+.1%} preset {preset[(p, mb)]:+.1%}" for p, mb in rows))
+    print(f"calibrated on {key[0]} M={key[1]}:")
+    print("\n".join(f"  {p:<14} M={mb} calibrated {errors[(p, mb)]:+.1%} preset {preset[(p, mb)]:+.1%}" for p, mb in rows))
     return run, cal, errors, preset
+
+
+def calibrate_on_the_budgeted_pick(bench: dict) -> tuple[CalibrationRun, Calibration, dict, dict]:
+    """The world-8 runs: calibrated on the plan the planner chose under the memory budget
+    with 4 micro-batches (p=4,g=4,os=8: P and G inside a node, OS across, so its exposed
+    time per state determines both bandwidths; the M=1 pick, ZeRO-2, sends everything
+    across the nodes and leaves the intra-node bandwidth at the preset's)."""
+    picks = [p["plan"] for p in bench["meta"]["planner"] if p["microbatches"] == 4 and p["budget"] == "0.0625 GiB"]
+    assert picks == [CALIBRATED_ON[0]]
+    return calibrate_on(bench, CALIBRATED_ON)
 
 
 def test_bench_calibrate_from_one_plan_predicts_the_others():
@@ -254,3 +261,27 @@ def test_bench_calibration_round_trip_on_a_second_run_misses_15_percent():
     assert sum(abs(e) < 0.15 for e in errors.values()) == 1, errors
     assert 0.20 < sum(map(abs, errors.values())) / len(errors) < 0.30, errors
     assert cal.hardware.inter_bw > 37.5e6
+
+
+WORLD4_RUNS = ["world4-2026-12-01-1", "world4-2026-12-01-2"]
+
+
+@pytest.mark.parametrize("name", WORLD4_RUNS)
+def test_world4_calibrate_from_one_plan_predicts_the_others_within_15_percent(name):
+    """2 nodes x 2 ranks (4 ranks on the 2 cores, half the oversubscription of world 8),
+    two runs: calibrated on any measured Lins plan whose collectives all cross the
+    nodes (6 of the 8: the fsdp, zero1 and zero2 plans at M=1 and 4), every other Lins
+    plan is predicted within 15 % (13.0 % at worst). A plan with traffic inside the
+    node is a worse source here: one exposed time per state cannot pin the loopback
+    links, which on this host are the cores that compute (p=1,g=2,os=2 at M=1: 26-28 %
+    at worst; p=1,g=1,os=2 at M=4: 13.5 % and 17.8 %)."""
+    bench = json.loads((ROOT / "bench" / "results" / name / "cluster.json").read_text())
+    rows = bench_rows(bench)
+    worst = {}
+    for key in rows:
+        run, cal, errors, _ = calibrate_on(bench, key)
+        if all(r.link == "inter" for r in predict(run, cal.hardware, run.measurements[0]).records):
+            worst[key] = max(map(abs, errors.values()))
+    print({f"{p}@{m}": f"{w:.1%}" for (p, m), w in worst.items()})
+    assert sorted(worst) == sorted((p, m) for p in ("p=1,g=1,os=4", "p=1,g=4,os=4", "p=4,g=4,os=4") for m in (1, 4))
+    assert all(w < 0.15 for w in worst.values()), worst
