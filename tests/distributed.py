@@ -17,9 +17,11 @@ import torch.multiprocessing as mp
 # scenarios once for the whole session: "spawn" (or torchrun) imports them again in
 # every rank of every launch, about 14 s of a 4-rank launch on 2 cores, 20 s with
 # torchtitan (titan_runs.train forks its trainer ranks from this server too). The
-# server runs no torch op before forking (no thread pools, no process group) and the
-# imports start no thread, so each rank starts as clean as a spawned one. torchtitan
-# and Hugging Face read the offline switches at import: set before the server starts.
+# server runs no torch op before forking (no thread pools, no process group); the only
+# threads the imports start are idle helpers (one of torch's, pyarrow's jemalloc
+# background thread, which registers fork handlers), so each rank starts as clean as
+# a spawned one. torchtitan and Hugging Face read the offline switches at import: set
+# before the server starts.
 # A module that cannot be imported (torchtitan absent) is skipped by the server.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -6,6 +6,7 @@ import contextlib
 import glob
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import re
 import signal
@@ -67,49 +68,70 @@ def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict |
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
-def _forked(args: list[str], nproc: int, timeout: int, extra_env: dict) -> subprocess.CompletedProcess:
+def _forked(args: list[str], nproc: int, timeout: int, extra_env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Start the ranks, wait for them (see :func:`_wait`) and collect what rank 0 printed
+    and, after a failure, what the failing rank printed; a rank still running when this
+    returns or raises (timeout, an interrupted test) is killed."""
     ctx = multiprocessing.get_context("forkserver")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
+    ranks: list[multiprocessing.process.BaseProcess] = []
     with tempfile.TemporaryDirectory() as tmp:
         logs = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(nproc)]
-        ranks = [ctx.Process(target=_trainer_rank, args=(rank, nproc, port, args, logs[rank], extra_env)) for rank in range(nproc)]
-        for p in ranks:
-            p.start()
-        timed_out = _wait(ranks, time.monotonic() + timeout)
+        try:
+            for rank in range(nproc):
+                ranks.append(ctx.Process(target=_trainer_rank, args=(rank, nproc, port, args, logs[rank], extra_env)))
+                ranks[-1].start()
+            first_failed = _wait(ranks, time.monotonic() + timeout)
+        finally:
+            _kill(ranks)
         outputs = [tuple(Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in pair) for pair in logs]
-    if timed_out:
-        raise subprocess.TimeoutExpired(["lins_dtensor.train", *args], timeout, output=outputs[0][0], stderr=outputs[0][1])
-    codes = [p.exitcode for p in ranks]
-    failed = "".join(f"\n--- rank {r} exited {c} ---\n{outputs[r][0]}{outputs[r][1]}" for r, c in enumerate(codes) if r and c)
-    return subprocess.CompletedProcess(["lins_dtensor.train", *args], next((c for c in codes if c), 0),
-                                       outputs[0][0], outputs[0][1] + failed)
+    command = ["lins_dtensor.train", *args]
+    if first_failed is None and any(p.exitcode for p in ranks):
+        raise subprocess.TimeoutExpired(command, timeout, output=outputs[0][0], stderr=outputs[0][1])
+    if first_failed is None:
+        return subprocess.CompletedProcess(command, 0, outputs[0][0], outputs[0][1])
+    failed = ranks[first_failed]
+    cause = "" if first_failed == 0 else f"\n--- rank {first_failed} exited {failed.exitcode} ---\n" + "".join(outputs[first_failed])
+    return subprocess.CompletedProcess(command, failed.exitcode, outputs[0][0], outputs[0][1] + cause)
 
 
-def _wait(ranks: list, deadline: float) -> bool:
-    """Wait for every rank; once one fails, stop the others as torchrun would (they
-    would otherwise wait in a collective for the process-group timeout). Returns
-    whether the deadline passed first (every rank is then killed)."""
+def _free_port() -> int:
+    """A port free now for rank 0's store (the race until it binds is the one torchrun's
+    --standalone has too)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(ranks: list[multiprocessing.process.BaseProcess], deadline: float) -> int | None:
+    """Wait for every rank until ``deadline``; the first one to exit non-zero ends the
+    wait, as under torchrun (the others would wait in a collective for the process-group
+    timeout). Returns that rank, or None (all exited 0, or the deadline passed)."""
     alive = list(ranks)
     while alive and time.monotonic() < deadline:
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=deadline - time.monotonic())
+        ended = [p for p in alive if not p.is_alive()]
         alive = [p for p in alive if p.is_alive()]
-        if any(p.exitcode for p in ranks if p not in alive):
-            for p in alive:
-                p.terminate()
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            return False
-    for p in alive:
-        p.kill()
-        p.join()
-    return bool(alive)
+        for p in ended:
+            if p.exitcode:
+                return ranks.index(p)
+    return None
 
 
-def _trainer_rank(rank: int, nproc: int, port: int, args: list[str], logs: tuple[str, str], extra_env: dict) -> None:
+def _kill(ranks: list[multiprocessing.process.BaseProcess]) -> None:
+    """SIGTERM every rank still running, SIGKILL it 5 s later (torchrun's way, with the
+    tests' grace)."""
+    for p in ranks:
+        if p.is_alive():
+            p.terminate()
+    for p in ranks:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _trainer_rank(rank: int, nproc: int, port: int, args: list[str], logs: tuple[str, str], extra_env: dict[str, str]) -> None:
     """One rank, in a process forked from the preloaded server: torchrun's environment,
     its own stdout/stderr files, then the trainer's ``main()``; exits with its status."""
     import torch
@@ -133,8 +155,11 @@ def _trainer_rank(rank: int, nproc: int, port: int, args: list[str], logs: tuple
     code = 1
     try:
         code = main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as the interpreter would: None is 0, a message goes to stderr
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -36,7 +36,8 @@ def main() -> int:
     # Imported only now, after the environment above is set (torchtitan and Hugging
     # Face read it at import): registers the lins_llama3 TrainSpec and dataset, and
     # patches torchtitan for CPU.
-    # isort: off  (the shims first, then torchtitan's trainer)
+    # isort: off  (Lins' registration first; its CPU shims patch torchtitan's modules
+    # whether or not they were imported before, e.g. by a test's preloading server)
     import lins_dtensor.integrations.torchtitan  # noqa: F401
     import torchtitan.train as titan_train
     # isort: on

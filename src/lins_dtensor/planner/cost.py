@@ -176,7 +176,7 @@ def evaluate(
     compute["backward"] += 2 * hooks / 3
 
     exposed, exposed_state = _exposed(records, record_s, record_phase, issuer, compute, m, training,
-                                      _first_unit_chains(collectives, seconds, units), hw.intra_comm_hides)
+                                      _first_unit_chains(collectives, seconds, units, hw.intra_comm_hides), hw.intra_comm_hides)
     for phase, seconds_tp in tensor_parallel_seconds(model, cluster, training, timer, m).items():
         comm[phase] += seconds_tp
         exposed[phase] += seconds_tp
@@ -201,15 +201,16 @@ def tensor_parallel_seconds(model: ModelSpec, cluster: ClusterSpec, training: Tr
     return {"forward": forward, "backward": forward * (1 + training.recomputed_forward)}
 
 
-def _first_unit_chains(collectives, seconds, units) -> tuple[float, float]:
+def _first_unit_chains(collectives, seconds, units, intra_hides: bool) -> tuple[float, float]:
     """Seconds of the first unit's step reductions and of its update gathers: its
     gradient is the last one backward produces and its parameters the first forward
-    needs, so neither has compute to hide behind."""
+    needs, so neither has compute to hide behind (the intra-node ones, where they
+    cannot hide at all, are charged in full already)."""
     if not units:
         return 0.0, 0.0
     reduce_s = gather_s = 0.0
     for r in collectives(units[:1], 1, False):
-        if PHASE_OF[r.name] == Phase.STEP.value:
+        if PHASE_OF[r.name] == Phase.STEP.value and (intra_hides or r.link != "intra"):
             if r.op.value == "all_gather":
                 gather_s += seconds(r)
             else:
@@ -231,7 +232,7 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
     reductions: dict[str, float] = {}
     unhidden: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}  # Lins' intra-node collectives where they cannot hide
     for r, t, phase, who in zip(records, record_s, record_phase, issuer):
-        if who != "fsdp2" and not intra_hides and r.link == "intra" and r.name != GRAD_NORM_ALL_REDUCE.name:
+        if who != "fsdp2" and not intra_hides and r.link == "intra":
             part = unhidden[phase]
         elif who == "fsdp2":
             part = fsdp[phase]

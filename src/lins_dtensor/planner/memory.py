@@ -27,6 +27,8 @@ def figure(value: float, decimals: int = 1) -> str:
     """``decimals`` places from 1 up, three significant figures below: a 64 MiB budget
     is 0.0625 GiB in a message, not 0.1, and a small model's link bytes are not 0.00 GB."""
     return f"{value:.{decimals}f}" if abs(value) >= 1 else f"{value:.3g}"
+
+
 _RANK0 = {dim: 0 for dim in MESH_DIMS}
 
 
