@@ -31,7 +31,9 @@ multiprocessing.set_forkserver_preload([
 ])
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free now for rank 0's store (the race until it binds is the one torchrun's
+    --standalone has too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +59,7 @@ def run(fn, world_size: int, *args):
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.pt")
         try:
-            mp.start_processes(_worker, args=(world_size, _free_port(), out_path, fn, args), nprocs=world_size, start_method="forkserver")
+            mp.start_processes(_worker, args=(world_size, free_port(), out_path, fn, args), nprocs=world_size, start_method="forkserver")
         except mp.ProcessRaisedException:
             # The first failure is the cause; later ones are peers losing their connection.
             errors = sorted((os.path.getmtime(os.path.join(tmp, f)), f) for f in os.listdir(tmp) if ".error" in f)

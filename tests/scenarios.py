@@ -25,6 +25,7 @@ from lins_dtensor import (
 )
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import state_memory_bytes, step_collectives
+from lins_dtensor.units import local_values
 from tiny_llama import Block, batch, build_model, loss_fn, tensor_parallelize
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-2, 0.1, 0.5
@@ -130,7 +131,7 @@ def train_lins(configs: list[dict]) -> list[dict]:
         dist.all_gather_object(per_rank, mine)
         masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
         params = {n: _full(p).float() for n, p in model.named_parameters() if p.requires_grad}
-        local_params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
+        local_params = [local_values(p) for p in model.parameters() if p.requires_grad]
         results.append({
             "param_dtypes": {str(p.dtype) for p in local_params},
             "master_placements": {k: tuple(map(str, v.placements)) for k, v in model.state_dict().items() if isinstance(v, DTensor)},

@@ -10,7 +10,6 @@ import multiprocessing.process
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-import distributed  # noqa: F401  (the forkserver's preload, which train() forks its ranks from)
+from distributed import free_port  # also sets the forkserver's preload, which train() forks its ranks from
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu_lins.toml"
@@ -73,7 +72,7 @@ def _forked(args: list[str], nproc: int, timeout: int, extra_env: dict[str, str]
     and, after a failure, what the failing rank printed; a rank still running when this
     returns or raises (timeout, an interrupted test) is killed."""
     ctx = multiprocessing.get_context("forkserver")
-    port = _free_port()
+    port = free_port()
     ranks: list[multiprocessing.process.BaseProcess] = []
     with tempfile.TemporaryDirectory() as tmp:
         logs = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(nproc)]
@@ -86,21 +85,13 @@ def _forked(args: list[str], nproc: int, timeout: int, extra_env: dict[str, str]
             _kill(ranks)
         outputs = [tuple(Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in pair) for pair in logs]
     command = ["lins_dtensor.train", *args]
-    if first_failed is None and any(p.exitcode for p in ranks):
+    if first_failed is None and any(p.exitcode for p in ranks):  # none failed, yet some were killed: the deadline
         raise subprocess.TimeoutExpired(command, timeout, output=outputs[0][0], stderr=outputs[0][1])
     if first_failed is None:
         return subprocess.CompletedProcess(command, 0, outputs[0][0], outputs[0][1])
     failed = ranks[first_failed]
     cause = "" if first_failed == 0 else f"\n--- rank {first_failed} exited {failed.exitcode} ---\n" + "".join(outputs[first_failed])
     return subprocess.CompletedProcess(command, failed.exitcode, outputs[0][0], outputs[0][1] + cause)
-
-
-def _free_port() -> int:
-    """A port free now for rank 0's store (the race until it binds is the one torchrun's
-    --standalone has too)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(ranks: list[multiprocessing.process.BaseProcess], deadline: float) -> int | None:

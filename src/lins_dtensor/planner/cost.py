@@ -201,6 +201,12 @@ def tensor_parallel_seconds(model: ModelSpec, cluster: ClusterSpec, training: Tr
     return {"forward": forward, "backward": forward * (1 + training.recomputed_forward)}
 
 
+def _can_hide(record: CollectiveRecord, intra_hides: bool) -> bool:
+    """Whether a Lins collective can run behind compute: not one inside a node where the
+    hardware moves it with the cores that compute (``HardwareSpec.intra_comm_hides``)."""
+    return intra_hides or record.link != "intra"
+
+
 def _first_unit_chains(collectives, seconds, units, intra_hides: bool) -> tuple[float, float]:
     """Seconds of the first unit's step reductions and of its update gathers: its
     gradient is the last one backward produces and its parameters the first forward
@@ -210,7 +216,7 @@ def _first_unit_chains(collectives, seconds, units, intra_hides: bool) -> tuple[
         return 0.0, 0.0
     reduce_s = gather_s = 0.0
     for r in collectives(units[:1], 1, False):
-        if PHASE_OF[r.name] == Phase.STEP.value and (intra_hides or r.link != "intra"):
+        if PHASE_OF[r.name] == Phase.STEP.value and _can_hide(r, intra_hides):
             if r.op.value == "all_gather":
                 gather_s += seconds(r)
             else:
@@ -219,7 +225,7 @@ def _first_unit_chains(collectives, seconds, units, intra_hides: bool) -> tuple[
 
 
 def _exposed(records, record_s, record_phase, issuer, compute, m: int, training: TrainingSpec,
-             first_unit: tuple[float, float], intra_hides: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+             first_unit: tuple[float, float], intra_hides: bool) -> tuple[dict[str, float], dict[str, float]]:
     """The part of each phase's communication that does not hide behind compute, and the
     same seconds by the state the collectives move (what Lins' stats measure: a run's
     exposed time per state calibrates the links separately); a term that collectives of
@@ -232,7 +238,7 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
     reductions: dict[str, float] = {}
     unhidden: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}  # Lins' intra-node collectives where they cannot hide
     for r, t, phase, who in zip(records, record_s, record_phase, issuer):
-        if who != "fsdp2" and not intra_hides and r.link == "intra":
+        if who != "fsdp2" and not _can_hide(r, intra_hides):
             part = unhidden[phase]
         elif who == "fsdp2":
             part = fsdp[phase]
