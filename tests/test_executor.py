@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fake_device import FakeDevice
 from lins_dtensor.collectives import CommStream, CommTiming
 from lins_dtensor.executor import Chain, Executor, Request
 
@@ -122,3 +123,84 @@ def test_a_chain_that_asks_for_an_undeclared_group_is_refused():
 
     with pytest.raises(RuntimeError, match="declared intra"):
         executor.submit(Chain("bad", ["intra"], body(), 0))
+
+
+# ----- on a device: the same executor over fake_device's streams and events ----------------
+class DeviceFlight:
+    """A collective enqueued on the side stream: joining it is a stream wait, which the
+    host never blocks on."""
+
+    def __init__(self, log: list, name: str, stream: CommStream) -> None:
+        self.log, self.name, self.stream = log, name, stream
+        self.timing = CommTiming(name, "optim", 0.0)
+        self.timing.start_event = stream.event_on_side(timing=True)
+
+    def completed(self) -> bool:
+        return True  # the side stream orders what follows
+
+    def join(self) -> None:
+        self.log.append(f"stream-wait:{self.name}")
+        self.timing.end_event = self.stream.event_on_side(timing=True)
+
+
+class DeviceHarness:
+    def __init__(self, max_inflight_bytes: int = 1 << 30) -> None:
+        self.device = FakeDevice()
+        self.stream = CommStream(torch.device("cpu"), streams=self.device)
+        self.executor = Executor(self.stream, max_inflight_bytes)
+        self.log: list[str] = []
+
+    def chain(self, name: str, dims: list[str], nbytes: int = 0) -> Chain:
+        def body():
+            self.log.append(f"start:{name}")
+            for i, dim in enumerate(dims):
+                label = f"{name}.{i}@{dim}"
+                yield Request(dim, lambda label=label: self.log.append(f"issue:{label}") or DeviceFlight(self.log, label, self.stream))
+            self.log.append(f"end:{name}")
+
+        return self.executor.submit(Chain(name, dims, body(), nbytes))
+
+
+def test_on_a_device_chains_are_enqueued_whole_and_the_host_never_waits():
+    """Finding 1 of the GPU read-through: with chains over the byte bound the host used to
+    defer them until an event query said the device was done, and wait() synchronised."""
+    h = DeviceHarness(max_inflight_bytes=10)
+    first = h.chain("first", ["intra", "inter"], nbytes=8)
+    second = h.chain("second", ["inter"], nbytes=8)  # over the bound with first
+    third = h.chain("third", ["intra"], nbytes=1)
+    # Everything is on the side stream at submission, each group in submission order.
+    assert [e for e in h.log if e.startswith("issue:")] == ["issue:first.0@intra", "issue:first.1@inter", "issue:second.0@inter",
+                                                           "issue:third.0@intra"]
+    assert first.done and second.done and third.done and h.executor.chains == []
+    # The bound is kept by the submitter's stream waiting for the oldest chain, not the host.
+    assert h.device.current.has_waited_for(first.end_event)
+    assert h.executor.enqueued == [second, third] and sum(c.transient_bytes for c in h.executor.enqueued) <= 10
+    # Chains wait for their submitter's stream before their first step.
+    assert all(h.stream.stream.has_waited_for(c.ready_event) for c in (first, second, third))
+    h.executor.wait(second)
+    assert h.device.current.has_waited_for(second.end_event) and not h.device.current.has_waited_for(third.end_event)
+    h.executor.wait_all()
+    assert h.device.current.has_waited_for(third.end_event) and h.executor.enqueued == []
+    assert h.device.host_syncs == 0
+    # Ordering-only events carry no timestamp; the collectives' own are timed.
+    assert not any(e.timing for c in (first, second, third) for e in (c.ready_event, c.end_event))
+    assert all(t.start_event.timing and t.end_event.timing for c in (first, second, third) for t in c.timings)
+
+
+def test_on_a_device_a_timing_is_read_once_all_its_events_completed():
+    """Finding 2: lins_stats read the exposed time from the consumer's event after
+    synchronising only the collective's end, and torch refuses elapsed_time on an event
+    not yet completed; a later wait replaced the consumer's event with one long after the
+    end, so the exposed time read ~0."""
+    h = DeviceHarness()
+    chain = h.chain("grads", ["inter"])
+    h.executor.wait(chain)  # the consumer needs it: exposed from here to the end
+    first_need = chain.timings[0].need_event
+    h.executor.wait(chain)  # the next step's first accumulate waits for it again
+    timing = chain.timings[0]
+    assert timing.need_event is first_need
+    timing.start_event.completes_at, first_need.completes_at, timing.end_event.completes_at = 0.0, 4.0, 10.0
+    h.device.run(through=timing.end_event.seq)  # the consumer's event (recorded later) is still pending
+    assert first_need.time is None
+    assert timing.seconds == pytest.approx(0.010) and timing.exposed == pytest.approx(0.006)
+    assert timing.hidden == pytest.approx(0.004)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lins_dtensor.compat import AllGather, ReduceScatter, in_backward
+from lins_dtensor.compat import AllGather, ReduceScatter, fsdp_wait_all_gather_streams, in_backward
 from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, PARAM_REGATHER, CollectiveRecord, CollectiveSpec
 
 
@@ -63,11 +63,24 @@ class CommTiming:
         if self.finished_at is None:
             self.finished_at = time.perf_counter()
 
+    def needed_at(self, event: object) -> None:
+        """The consumer's stream needed the result at ``event`` (accelerators). Only the
+        first consumer counts: a later wait for the same collective (the next step's
+        first accumulate re-waiting a reduction) finds it long done and would report
+        nothing exposed."""
+        if self.need_event is None:
+            self.need_event = event
+
     def resolve(self) -> None:
-        """Turn device events into seconds (blocks until they have completed)."""
+        """Turn device events into seconds. Reading them blocks the host until every
+        event involved has completed (``elapsed_time`` needs both of its events done),
+        so only the accounting calls it (:func:`lins_dtensor.lins_stats`), never the
+        training path."""
         if self.start_event is None or self.end_event is None:
             return
-        self.end_event.synchronize()
+        for event in (self.end_event, self.need_event):
+            if event is not None:
+                event.synchronize()
         self.finished_at = self.started_at + self.start_event.elapsed_time(self.end_event) / 1e3
         if self.need_event is not None:
             self.exposed = max(0.0, self.need_event.elapsed_time(self.end_event) / 1e3)
@@ -122,22 +135,63 @@ class CommRecorder:
             del self._records[old], self._timings[old]
 
 
-class CommStream:
-    """Where Lins' own communication work runs.
+# FSDP2 runs its copy-in, all-gather and reduce-scatter streams at high priority, so
+# that communication kernels are scheduled ahead of compute kernels queued before them.
+HIGH_PRIORITY = -1
 
-    On an accelerator: one side stream per model, on which Lins packs and unpacks
-    buffers, issues its collectives (c10d's NCCL stream waits for it at each call) and
-    waits for them; consumers on other streams wait for its events. One stream keeps
-    the buffer lifetimes simple; its price is that the collectives of different chains
-    run one after another on it. On CPU there are no streams: gloo runs asynchronous
-    collectives on its own threads and the host orders what follows by waiting on work
-    handles.
-    """
+
+class DeviceStreams:
+    """The accelerator API Lins' communication needs (streams, events, the caching
+    allocator's cross-stream marks), over torch's device module (``torch.cuda``).
+
+    Everything the executor does on a device goes through one of these, so tests can run
+    the on-device logic on CPU with a stand-in whose events complete when the test says
+    (``tests/fake_device.py``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.module = None if device.type == "cpu" else torch.get_device_module(device.type)
-        self.stream = self.module.Stream(device) if self.module is not None else None
+        self.module = torch.get_device_module(device.type)
+
+    def new_stream(self) -> object:
+        return self.module.Stream(self.device, priority=HIGH_PRIORITY)
+
+    def current_stream(self) -> object:
+        return self.module.current_stream(self.device)
+
+    def use(self, stream: object):
+        return self.module.stream(stream)
+
+    def event(self, stream: object, timing: bool) -> object:
+        """An event recorded on ``stream`` now; ``timing`` only where its time is read
+        (timing events cost a timestamp each)."""
+        event = self.module.Event(enable_timing=timing)
+        event.record(stream)
+        return event
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        tensor.record_stream(stream)
+
+    def fsdp_waits(self, module: torch.nn.Module, event: object) -> None:
+        fsdp_wait_all_gather_streams(module, event)
+
+
+class CommStream:
+    """Where Lins' own communication work runs.
+
+    On an accelerator: one high-priority side stream per model, on which Lins packs and
+    unpacks buffers, issues its collectives (c10d's NCCL stream waits for it at each
+    call) and waits for them (a stream wait, never the host); consumers on other
+    streams wait for its events. One stream keeps the buffer lifetimes simple: a buffer
+    a chain allocates and drops on it is reused only by work queued after, in stream
+    order. Its price is that the collectives of different chains run one after another.
+    On CPU there are no streams: gloo runs asynchronous collectives on its own threads
+    and the host orders what follows by waiting on work handles.
+    """
+
+    def __init__(self, device: torch.device, streams: DeviceStreams | None = None) -> None:
+        self.device = device
+        self.api = streams if streams is not None else (None if device.type == "cpu" else DeviceStreams(device))
+        self.stream = self.api.new_stream() if self.api is not None else None
 
     @property
     def on_device(self) -> bool:
@@ -145,27 +199,28 @@ class CommStream:
 
     def scope(self):
         """Run what follows on the side stream (nothing to do on CPU)."""
-        return self.module.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return self.api.use(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _event(self, stream) -> object:
-        event = self.module.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
-    def event_on_current(self) -> object:
+    def event_on_current(self, timing: bool = False) -> object:
         """An event on the caller's current stream (None on CPU)."""
-        return None if self.module is None else self._event(self.module.current_stream(self.device))
+        return None if self.api is None else self.api.event(self.api.current_stream(), timing)
 
-    def event_on_side(self) -> object:
-        return None if self.stream is None else self._event(self.stream)
+    def event_on_side(self, timing: bool = False) -> object:
+        return None if self.stream is None else self.api.event(self.stream, timing)
 
     def side_waits(self, event: object) -> None:
         if self.stream is not None and event is not None:
             self.stream.wait_event(event)
 
     def current_waits(self, event: object) -> None:
-        if self.module is not None and event is not None:
-            self.module.current_stream(self.device).wait_event(event)
+        if self.api is not None and event is not None:
+            self.api.current_stream().wait_event(event)
+
+    def fsdp_waits(self, module: torch.nn.Module, event: object) -> None:
+        """FSDP2's all-gather streams for ``module`` wait for ``event`` (Lins wrote its
+        sharded parameters on the side stream)."""
+        if self.api is not None and event is not None:
+            self.api.fsdp_waits(module, event)
 
     def use_on_side(self, *tensors: torch.Tensor) -> None:
         """Tensors allocated on another stream and read or written on the side stream:
@@ -173,14 +228,14 @@ class CommStream:
         stream is past its work on them."""
         if self.stream is not None:
             for t in tensors:
-                t.record_stream(self.stream)
+                self.api.record_stream(t, self.stream)
 
     def use_on_current(self, *tensors: torch.Tensor) -> None:
         """Tensors allocated on the side stream and kept by the caller's stream."""
-        if self.module is not None:
-            current = self.module.current_stream(self.device)
+        if self.api is not None:
+            current = self.api.current_stream()
             for t in tensors:
-                t.record_stream(current)
+                self.api.record_stream(t, current)
 
 
 class Flight:
@@ -198,9 +253,9 @@ class Flight:
                 pass
 
     def completed(self) -> bool:
-        """Can what depends on it be started without blocking the host? Always on a
-        device (the side stream orders it); on CPU once gloo has finished it."""
-        if self.joined or self.stream.on_device:
+        """CPU: has gloo finished it, so that what depends on it can start without
+        blocking the host? (On a device nothing asks: the side stream orders it.)"""
+        if self.joined:
             return True
         if self.work.is_completed():
             self.timing.mark_finished()
@@ -217,7 +272,7 @@ class Flight:
             if self.stream.on_device:
                 with self.stream.scope():
                     self.work.wait()
-                self.timing.end_event = self.stream.event_on_side()
+                self.timing.end_event = self.stream.event_on_side(timing=True)
             else:
                 start = time.perf_counter()
                 self.work.wait()
@@ -231,7 +286,7 @@ def _start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, gro
     with record_function(f"lins::{spec.name}"):
         timing = recorder.record(spec, group, message, step)
         with stream.scope():
-            timing.start_event = stream.event_on_side()  # None on CPU
+            timing.start_event = stream.event_on_side(timing=True)  # None on CPU
             with _naming_failures(spec):
                 work = call()
         return Flight(work, spec, timing, stream)

@@ -64,6 +64,15 @@ def fsdp_wait_all_gather_streams(module: nn.Module, event: torch.Event) -> None:
         param_group._wait_all_gather_streams_on_event(event)
 
 
+def fsdp_forward_prefetch_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 starts all-gathering from ``module``'s pre-forward, as set by
+    ``FSDPModule.set_modules_to_forward_prefetch``.
+
+    Waits for: a public getter beside that setter."""
+    state = module._get_fsdp_state()
+    return [m for target in state._states_to_forward_prefetch for m in target._modules]
+
+
 def rearm_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
     """Make ``param``'s post-accumulate-grad hooks fire again after its contents were
     swapped in place (``torch.utils.swap_tensors``, which ``Module.to_empty`` / ``_apply``

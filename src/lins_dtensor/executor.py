@@ -16,21 +16,27 @@ own while the model computes:
 * **Progress.** On CPU, gloo runs asynchronous collectives on its own threads; a chain
   takes its next step when the host finds its collective completed (:meth:`Executor.pump`,
   run at every Lins hook) or when a consumer blocks on it (:meth:`Executor.wait`). On an
-  accelerator nothing blocks the host: each step is enqueued on the Lins side stream
-  behind a stream wait for the previous collective.
-* **Memory.** A chain holds its transient buffers (packed inputs, gathered outputs)
-  from its first step until it is done (on an accelerator: until the side stream has
-  passed its end). Chains start in submission order, each only while the bytes held
-  stay within ``max_inflight_bytes`` (the oldest is waited for otherwise). Since a
-  chain only ever waits for earlier ones, and every earlier one has started, they
-  cannot wait on each other in a circle.
+  accelerator the host never waits for the device: a chain's whole body is enqueued on
+  the Lins side stream when it is submitted, each step behind a stream wait for the
+  previous collective, so every group sees the chains in submission order as well.
+* **Memory.** A chain holds its transient buffers and its input (the gradient it was
+  handed; :func:`~lins_dtensor.schedule.chain_buffer_bytes` counts both) from its first
+  step until it is done. On CPU chains start in submission order, each only while the
+  bytes held stay within ``max_inflight_bytes`` (the oldest is waited for otherwise);
+  since a chain only ever waits for earlier ones, and every earlier one has started,
+  they cannot wait on each other in a circle. On an accelerator a chain is done on the
+  host at once but holds its bytes until the device has passed its end; the bound is
+  kept by back-pressure, as FSDP2 bounds its reduce-scatters: before a chain is
+  enqueued, the submitter's stream waits for the end of the oldest chains until the
+  rest fit, so the device cannot run the producer further ahead of the side stream
+  than the bound (a stream wait: the host goes on).
 
 Chain bodies run without autograd (they move data, never compute on it). Stream
 contract (accelerators). A chain's body runs on the side stream
 (:class:`~lins_dtensor.collectives.CommStream`). At submission the submitter's current
-stream is captured in an event that the side stream waits on before the body's first
-step, so the body sees everything the submitter enqueued (the gradient, the optimizer
-update). Tensors the body reads that were allocated on another stream are marked used
+stream is captured in an event (ordering only, no timestamp) that the side stream waits
+on before the body's first step, so the body sees everything the submitter enqueued
+(the gradient, the optimizer update). Tensors the body reads that were allocated on another stream are marked used
 on the side stream (``CommStream.use_on_side``) so that the allocator keeps them until
 the side stream is past them; buffers the body allocates live on the side stream, and
 c10d keeps the ones a collective uses until its work is waited on. A consumer's
@@ -101,38 +107,48 @@ class Executor:
     def __init__(self, stream: CommStream, max_inflight_bytes: int) -> None:
         self.stream = stream
         self.max_inflight_bytes = max_inflight_bytes
-        self.chains: list[Chain] = []  # not done
-        self.settling: list[Chain] = []  # done on the host, side stream maybe not yet past it
+        self.chains: list[Chain] = []  # CPU: not done
+        # Accelerators: enqueued (done on the host), their bytes held until the device
+        # has passed their end; in submission order, the oldest first.
+        self.enqueued: list[Chain] = []
 
     # ----- submitting and advancing --------------------------------------------------
     def submit(self, chain: Chain) -> Chain:
         chain.ready_event = self.stream.event_on_current()
+        if self.stream.on_device:
+            self._enqueue(chain)
+            return chain
         self.chains.append(chain)
         self.pump()
         return chain
 
+    def _enqueue(self, chain: Chain) -> None:
+        """Accelerators: enqueue the whole chain on the side stream now, after the
+        submitter's stream has waited for enough older chains that the bytes held stay
+        within the bound (the device, not the host, waits)."""
+        held = sum(c.transient_bytes for c in self.enqueued)
+        while self.enqueued and held + chain.transient_bytes > self.max_inflight_bytes:
+            oldest = self.enqueued.pop(0)
+            self.stream.current_waits(oldest.end_event)
+            held -= oldest.transient_bytes
+        self._resume(chain)
+        while not chain.done:
+            self._issue(chain)
+            self._resume(chain)
+        self.enqueued.append(chain)
+
     def pump(self) -> None:
-        """Advance every chain as far as it can go without blocking."""
+        """Advance every chain as far as it can go without blocking (CPU; on an
+        accelerator every chain was enqueued whole when submitted)."""
         if not self.chains:
             return
         blocked: set[str] = set()
-        held = self._held_bytes()
+        held = sum(c.transient_bytes for c in self.chains if c.phase is _Phase.RUNNING)
         for chain in self.chains:
             held = self._advance(chain, blocked, held)
             if chain.phase is _Phase.NEW:
                 blocked.add(_START)  # chains start in submission order
-        finished = [c for c in self.chains if c.done]
-        if finished:
-            self.chains = [c for c in self.chains if not c.done]
-            if self.stream.on_device:
-                self.settling.extend(finished)
-
-    def _held_bytes(self) -> int:
-        if self.settling:
-            self.settling = [c for c in self.settling if not c.end_event.query()]
-        return sum(c.transient_bytes for c in self.chains if c.phase is _Phase.RUNNING) + sum(
-            c.transient_bytes for c in self.settling
-        )
+        self.chains = [c for c in self.chains if not c.done]
 
     def _advance(self, chain: Chain, blocked: set[str], held: int) -> int:
         while not chain.done:
@@ -140,7 +156,7 @@ class Executor:
                 if not chain.flight.completed():
                     break
                 self._resume(chain)
-                if chain.done and not self.stream.on_device:
+                if chain.done:
                     held -= chain.transient_bytes  # its buffers are free again
                 continue
             if chain.remaining_dims()[0] in blocked:
@@ -151,14 +167,18 @@ class Executor:
                 held += chain.transient_bytes
                 self._resume(chain)
                 continue
-            with self.stream.scope():
-                chain.flight = chain.request.start()
-            chain.timings.append(chain.flight.timing)
-            chain.request = None
-            chain.issued += 1
+            self._issue(chain)
         if not chain.done:
             blocked.update(chain.remaining_dims())
         return held
+
+    def _issue(self, chain: Chain) -> None:
+        """Start the collective the chain asked for (on the side stream)."""
+        with self.stream.scope():
+            chain.flight = chain.request.start()
+        chain.timings.append(chain.flight.timing)
+        chain.request = None
+        chain.issued += 1
 
     def _resume(self, chain: Chain) -> None:
         """Run the chain's body up to its next request (or its end), on the side stream,
@@ -183,23 +203,29 @@ class Executor:
     # ----- waiting -------------------------------------------------------------------
     def wait(self, chain: Chain | None) -> None:
         """Block until ``chain`` is done (CPU) or make the caller's stream wait for it
-        (accelerators). Host time spent blocked counts as the waited collective's exposed
-        time."""
+        (accelerators: the host goes on). On CPU host time spent blocked counts as the
+        waited collective's exposed time; on an accelerator the first wait's position on
+        the caller's stream is where the result was needed."""
         if chain is None:
+            return
+        if self.stream.on_device:
+            if chain.timings:
+                chain.timings[-1].needed_at(self.stream.event_on_current(timing=True))
+            self.stream.current_waits(chain.end_event)
             return
         while not chain.done:
             self.pump()
             if chain.done:
                 break
             self._block_on_oldest(chain)
-        if self.stream.on_device and chain.end_event is not None:
-            if chain.timings:
-                chain.timings[-1].need_event = self.stream.event_on_current()
-            self.stream.current_waits(chain.end_event)
 
     def wait_all(self) -> None:
+        """Everything submitted so far is done (CPU) or waited for by the caller's stream."""
         for chain in list(self.chains):
             self.wait(chain)
+        if self.enqueued:
+            self.stream.current_waits(self.enqueued[-1].end_event)  # the side stream runs them in order
+            self.enqueued.clear()
 
     def _block_on_oldest(self, chain: Chain) -> None:
         """Block on the first collective in flight up to ``chain``: the one that must
@@ -210,7 +236,4 @@ class Executor:
                 return
             if other is chain:
                 break
-        if self.settling:  # accelerators: the byte bound waits for the side stream
-            self.settling.pop(0).end_event.synchronize()
-            return
         raise RuntimeError(f"Lins executor cannot advance chain {chain.name}: nothing in flight ahead of it")

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lins_dtensor.collectives import CommRecorder, CommStream
-from lins_dtensor.compat import fsdp_unit_params, queue_backward_callback
+from lins_dtensor.compat import fsdp_forward_prefetch_modules, fsdp_unit_params, queue_backward_callback
 from lins_dtensor.executor import Executor
 from lins_dtensor.mesh import TENSOR_PARALLEL, LinsMesh, mesh_layout
 from lins_dtensor.plan import LinsPlan, LinsPlanError
@@ -132,7 +132,14 @@ class LinsState:
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Hand the masters this step's gradients: start the reductions that did not run
-        in backward, then wait for all (clipping calls it before the step)."""
+        in backward, then wait for all (clipping calls it before the step).
+
+        The step writes the masters, which the last step's update gathers read: a unit
+        whose forward did not run since (a skipped branch) still has its gather pending,
+        and the step must not write before that gather has read them."""
+        for unit in self.units:
+            if unit.update_pending():
+                unit.wait_update()
         for unit in self.units:
             unit.start_reduction()
         for unit in self.units:
@@ -173,7 +180,18 @@ class LinsState:
     def before_unit_forward(self, unit: LinsUnit) -> None:
         self._seen.setdefault(id(unit), unit)
         unit.wait_update()
+        # FSDP2 forward prefetch (set_modules_to_forward_prefetch) starts gathering the
+        # listed units from this unit's pre-forward, which runs after this hook: their
+        # parameters must hold the update by then.
+        for target in self._forward_prefetch_targets(unit):
+            target.wait_update()
         self.executor.pump()
+
+    def _forward_prefetch_targets(self, unit: LinsUnit) -> list[LinsUnit]:
+        if not isinstance(unit.backend, ShardedParams):
+            return []
+        by_module = {id(u.backend.module): u for u in self.units}
+        return [by_module[id(m)] for m in fsdp_forward_prefetch_modules(unit.backend.module) if id(m) in by_module]
 
     def after_root_forward(self) -> None:
         if torch.is_grad_enabled() or not self.forward_order:
@@ -443,6 +461,8 @@ def apply_lins(
         unit.make_masters()
         backend.attach(ctx, lambda rows, keep, u=unit: state.on_gradient(u, rows, keep), unit.geometry)
         module.register_forward_pre_hook(lambda m, args, u=unit: state.before_unit_forward(u), prepend=True)
+        if isinstance(backend, ShardedParams):
+            _gather_updated_on_unshard(module, unit)
         state.units.append(unit)
     if max_inflight_bytes is None:
         ctx.executor.max_inflight_bytes = default_max_inflight_bytes(u.buffer_bytes for u in state.units)
@@ -471,6 +491,18 @@ def _make_backend(
     own = [p for p in module.parameters() if id(p) not in claimed and p not in frozen]
     claimed.update(id(p) for p in module.parameters())
     return ReplicatedParams(module, own, mp_policy)
+
+
+def _gather_updated_on_unshard(module: FSDPModule, unit: LinsUnit) -> None:
+    """A user's explicit ``module.unshard()`` (prefetching by hand ahead of forward) would
+    gather P as it stands: it first waits for the unit's update, as its forward does."""
+    unshard = module.unshard
+
+    def unshard_updated(async_op: bool = False):
+        unit.wait_update()
+        return unshard(async_op=async_op)
+
+    module.unshard = unshard_updated
 
 
 # Module wrappers that insert a level into parameter names but strip it from their

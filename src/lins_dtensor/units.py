@@ -56,7 +56,6 @@ from lins_dtensor.compat import (
     rearm_post_accumulate_grad_hooks,
     foreach_add_,
     foreach_copy_,
-    fsdp_wait_all_gather_streams,
     map_floating_tensors,
 )
 from lins_dtensor.executor import Body, Chain, Executor, Request
@@ -152,6 +151,7 @@ class ShardedParams:
     def __init__(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         self.module = module
         self.params = params
+        self._stream: CommStream | None = None  # set by attach
 
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's rows of each parameter, written in place by the update."""
@@ -159,6 +159,7 @@ class ShardedParams:
 
     def attach(self, ctx: ShardContext, sink: GradientSink, geometry: UnitGeometry) -> None:
         module = self.module
+        self._stream = ctx.stream
         module.set_custom_all_gather(LinsAllGather(ctx.recorder))
         module.set_custom_reduce_scatter(LinsReduceScatter(ctx.recorder))
         # Sum in the collectives (no AVG / PREMUL_SUM, which gloo lacks); Lins divides
@@ -192,8 +193,7 @@ class ShardedParams:
 
     def before_forward(self, updated: object) -> None:
         """FSDP2's all-gather streams must see the update Lins wrote (accelerators)."""
-        if updated is not None:
-            fsdp_wait_all_gather_streams(self.module, updated)
+        self._stream.fsdp_waits(self.module, updated)
 
     def end_backward(self) -> None:
         """FSDP2 reduces every unit whose forward ran; nothing is left over."""
