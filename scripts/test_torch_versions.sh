@@ -6,9 +6,10 @@
 # lins_dtensor` with the one-line ImportError instead.
 #
 # Usage: bash scripts/test_torch_versions.sh [VERSION ...]
-#   default: 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1, the newest patch of each minor release
-#   from 2.10 that this machine's pip can have (its constraint caps torch at 2.14.1).
-#   Versions are tested or checked for the refusal by compat.SUPPORTED_TORCH at the time.
+#   default: 2.10.0 (below the range: refused) 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0, the
+#   newest patch of each minor release. Versions are tested or checked for the refusal by
+#   compat.SUPPORTED_TORCH at the time. The venvs ignore pip's constraint file (this
+#   machine's caps torch at 2.14.1): each pins its torch itself.
 # Prints one line per version; exits 1 if an installed version fails (or an out-of-range
 # one is not refused), 2 if no version could be installed at all.
 #
@@ -22,14 +23,15 @@ cd "$ROOT"
 # FSDP2 against stock FSDP2/HSDP (fp32 and bf16, custom all-gather/reduce-scatter), the
 # overlapped executor under FSDP2 (stream waits, end-of-backward callback), bf16 P cast
 # after a meta-device init, DTensor optimizer states, DCP checkpoints, the process-group
-# timeout setter, the chunk layout and the import gate: the private APIs in compat.py
-# and the FSDP2 setters Lins calls.
+# timeout setter, the chunk layout, the import gate and no deprecated torch API called:
+# the private APIs and release differences in compat.py and the FSDP2 setters Lins calls.
 # 2 to 6 minutes per version on 2 shared cores, plus 1.5 to 3.5 to install.
 SUBSET=(
   tests/test_plan.py
   tests/test_layout.py
   tests/test_executor.py
   tests/test_packaging.py
+  tests/test_deprecations.py
   tests/test_runtime.py::test_fsdp_equivalent_plans_match_fsdp2_and_hsdp
   tests/test_runtime.py::test_fsdp_equivalent_plans_send_fsdp2_bytes
   tests/test_runtime.py::test_bf16_error_is_within_fsdp2_bf16_error
@@ -41,7 +43,7 @@ SUBSET=(
 )
 MIN_FREE_GB=8
 
-if [ $# -gt 0 ]; then VERSIONS=("$@"); else VERSIONS=(2.10.0 2.11.0 2.12.1 2.13.0 2.14.1); fi
+if [ $# -gt 0 ]; then VERSIONS=("$@"); else VERSIONS=(2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0); fi
 
 # The supported (major, minor) range, read from compat.py (importing it needs torch).
 read -r LO HI < <(python3 - "$ROOT/src/lins_dtensor/compat.py" <<'EOF'
@@ -63,6 +65,9 @@ sys.exit(0 if key(sys.argv[2]) <= key(sys.argv[1]) <= key(sys.argv[3]) else 1)' 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/lins-torch-versions.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 trap 'exit 130' INT TERM
+# An empty constraint file replaces pip's configured one (PIP_CONSTRAINT overrides the
+# config's `constraint`), so a release above a local cap installs too.
+: >"$WORK/no-constraints.txt"
 
 SUMMARY=()
 FAILED=0
@@ -78,9 +83,8 @@ for v in "${VERSIONS[@]}"; do
     continue
   fi
   python3 -m venv "$venv"
-  if ! "$venv/bin/pip" install --only-binary=torch "torch==$v" pytest pytest-timeout numpy >"$WORK/pip.log" 2>&1; then
-    reason=$(grep -m1 -oE 'requested \(constraint\) torch[^ ]*' "$WORK/pip.log" | sed 's/^requested (constraint) /no such release under the pip constraint /')
-    [ -n "$reason" ] || reason="pip: $(grep -m1 '^ERROR' "$WORK/pip.log" | cut -c1-200)"
+  if ! PIP_CONSTRAINT="$WORK/no-constraints.txt" "$venv/bin/pip" install --only-binary=torch "torch==$v" pytest pytest-timeout numpy >"$WORK/pip.log" 2>&1; then
+    reason="pip: $(grep -m1 '^ERROR' "$WORK/pip.log" | cut -c1-200)"
     SUMMARY+=("torch $v: not installable here: $reason")
     rm -rf "$venv"
     continue

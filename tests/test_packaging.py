@@ -40,9 +40,9 @@ def test_core_imports_and_plans_without_the_torchtitan_extra():
 
 
 # A torch outside compat.SUPPORTED_TORCH must stop the import with one line that names
-# the torch found and the fix. No other torch is installed here, so compat.py runs again
-# as a fresh module under a patched torch.__version__ (scripts/test_torch_versions.sh
-# checks a real out-of-range torch). The cases follow the range's ends.
+# the range, the torch found and the fix. compat.py runs again as a fresh module under a
+# patched torch.__version__ (scripts/test_torch_versions.sh checks a real out-of-range
+# torch). The cases follow the range's ends: 2.10 and 2.16 are refused.
 (_LO, _LO_MINOR), (_HI, _HI_MINOR) = SUPPORTED_TORCH
 _OUTSIDE = [
     f"{_LO}.{_LO_MINOR - 1}.0",
@@ -69,8 +69,13 @@ def test_torch_outside_the_range_stops_the_import_with_one_line(monkeypatch, ver
         _exec_compat_under(monkeypatch, version)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("lins_dtensor supports torch "), message
+    assert message.startswith(f"lins_dtensor supports torch {_LO}.{_LO_MINOR} to {_HI}.{_HI_MINOR} "), message
     assert f"this is torch {version}: install torch==" in message, message
+
+
+def test_pyproject_requires_the_supported_range():
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert f'"torch>={_LO}.{_LO_MINOR},<{_HI}.{_HI_MINOR + 1}"' in pyproject
 
 
 @pytest.mark.parametrize("version", _INSIDE)

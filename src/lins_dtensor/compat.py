@@ -1,5 +1,6 @@
 """The private torch APIs Lins uses, each behind one function that names the public API
-it waits for. Nothing else in lins_dtensor touches a private torch name.
+it waits for, and the differences between the torch releases Lins supports. Nothing
+else in lins_dtensor touches a private torch name or asks which torch it runs on.
 """
 
 from __future__ import annotations
@@ -9,16 +10,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-# The torch releases whose private APIs below match (pyproject's range); 2.13.0 is the
-# one the test suite runs on. Outside the range, stop at import with one line rather
-# than fail somewhere inside FSDP2.
-SUPPORTED_TORCH = ((2, 13), (2, 14))
+# The torch releases whose private APIs below match (pyproject's range,
+# scripts/test_torch_versions.sh); 2.13.0 is the one the test suite runs on. Outside the
+# range, stop at import with one line rather than fail somewhere inside FSDP2.
+SUPPORTED_TORCH = ((2, 11), (2, 15))
 _found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 if not SUPPORTED_TORCH[0] <= _found <= SUPPORTED_TORCH[1]:
+    _lo, _hi = (".".join(map(str, end)) for end in SUPPORTED_TORCH)
     raise ImportError(
-        f"lins_dtensor supports torch 2.13 to 2.14 (tested on 2.13.0); this is torch {torch.__version__}: "
+        f"lins_dtensor supports torch {_lo} to {_hi} (tested on 2.13.0); this is torch {torch.__version__}: "
         "install torch==2.13.0"
     )
 
@@ -51,6 +54,40 @@ def cast_fsdp_params_(module: nn.Module, params: Sequence[nn.Parameter], dtype: 
     would cast the buffers and every other unit's parameters too)."""
     ids = {id(p) for p in params}
     module._apply(lambda t: t.to(dtype) if id(t) in ids else t)
+
+
+def fsdp_reduce_scatter_unused_params(module: nn.Module) -> None:
+    """Make FSDP2 reduce a zero gradient for each of ``module``'s parameters that got
+    none in a backward, so that every reduce-scatter holds all of its parameters.
+
+    torch 2.13 has ``FSDPModule.set_reduce_scatter_unused_params``. Before it, FSDP2's
+    post-backward reduces only the parameters with a gradient, and the reduce-scatter
+    shrinks; this gives the others, just before that post-backward reads them, the zero
+    gradient 2.13 gives (under the same conditions: the group reduces, the parameter
+    requires a gradient and has none, accumulated or not).
+
+    Waits for: ``FSDPModule.set_reduce_scatter_unused_params`` (torch 2.13) in every
+    supported release."""
+    if hasattr(module, "set_reduce_scatter_unused_params"):
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+        return
+    param_group = module._get_fsdp_state()._fsdp_param_group
+    if param_group is None:
+        return
+    post_backward = param_group.post_backward
+
+    def post_backward_with_unused(*args: Any) -> None:
+        if param_group.reduce_grads:
+            for fsdp_param in param_group.fsdp_params:
+                if not hasattr(fsdp_param, "_unsharded_param"):  # never gathered
+                    continue
+                param = fsdp_param.unsharded_param
+                if param.requires_grad and param.grad is None and fsdp_param.unsharded_accumulated_grad is None:
+                    param.grad = torch.zeros_like(param)
+        post_backward(*args)
+
+    # FSDP2 calls it through the instance (its autograd function and root callback).
+    param_group.post_backward = post_backward_with_unused
 
 
 def fsdp_wait_all_gather_streams(module: nn.Module, event: torch.Event) -> None:
@@ -134,9 +171,32 @@ def map_floating_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) 
     return tree_map_only(torch.Tensor, lambda t: fn(t) if torch.is_floating_point(t) else t, tree)
 
 
+# torch 2.13 renamed the single-tensor collectives to ``*_single`` and deprecated the old
+# names (a FutureWarning at every call); before 2.13 only the old names exist. Same
+# arguments, same collective.
+if hasattr(dist, "all_gather_single"):
+    all_gather_single, reduce_scatter_single = dist.all_gather_single, dist.reduce_scatter_single
+else:
+    all_gather_single, reduce_scatter_single = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+
+
 def set_group_timeout(group: torch.distributed.ProcessGroup, timeout: datetime.timedelta) -> None:
     """Change how long ``group``'s collectives may wait for a peer before they fail.
     Waits for: a public setter (``new_group(timeout=)`` and DeviceMesh's
     ``backend_override`` only apply at creation; torchtitan uses this same private
     function to move its groups from the start-up to the training timeout)."""
     _set_pg_timeout(timeout, group)
+
+
+def keep_own_state_dict(optimizer: torch.optim.Optimizer, state_dict: Callable[[], dict]) -> None:
+    """Make ``state_dict`` what ``optimizer.state_dict()`` returns (an instance attribute),
+    while ``torch.distributed.checkpoint.state_dict`` keeps calling the class's
+    ``Optimizer.state_dict``, whose parameter ids it maps to FQNs itself: the registry
+    of bypassed callables that torch's own ``_patch_optimizer_state_dict`` fills.
+
+    Waits for: a public way for an optimizer to offer its users a state dict of its own
+    (keyed by FQN) that torch's state-dict API does not read in place of the class's."""
+    from torch.distributed.checkpoint.state_dict import _patched_state_dict
+
+    optimizer.state_dict = state_dict
+    _patched_state_dict.add(state_dict)

@@ -185,7 +185,10 @@ def build_lins_mesh(
     # dims as ([tp,] replica, param, grad, optim) so that Shard(0) nests OS in G in P in
     # the TP slice.
     names, shape = mesh_layout(plan, world_size // tp, tp)
-    ranks = torch.arange(world_size).view(r, o, g, p, tp).permute(4, 0, 3, 2, 1).reshape(shape).contiguous()
+    # A fresh row-major copy: DeviceMesh takes its layout from the tensor's strides, and
+    # ``contiguous()`` can keep the permuted stride of a size-1 dim, which torch 2.11 and
+    # 2.12 reject when DTensor slices the mesh (redistributing over several dims).
+    ranks = torch.arange(world_size).view(r, o, g, p, tp).permute(4, 0, 3, 2, 1).reshape(shape).clone(memory_format=torch.contiguous_format)
     # Every dim gets process groups of its own. DeviceMesh would reuse the default group
     # for a dim that spans the world, and Lins' chains issue on their groups when earlier
     # collectives complete, a moment that differs between ranks: sharing a group with

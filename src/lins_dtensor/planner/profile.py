@@ -12,11 +12,11 @@ import argparse
 import os
 import re
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
+from lins_dtensor.compat import all_gather_single, reduce_scatter_single
 from lins_dtensor.plan import valid_plans
 from lins_dtensor.planner.bandwidth import BandwidthTable, monotone
 from lins_dtensor.planner.models import PlannerError
@@ -68,9 +68,6 @@ def profile_bandwidth(
     sizes: list[int], *, ranks_per_node: int, iters: int = 5, shapes: list[tuple[str, int, int]] | None = None, dtype=None,
 ) -> BandwidthTable:
     """Measure every needed shape at every message size (a collective: all ranks call it)."""
-    # torch 2.13 marks the *_tensor collectives deprecated; they are what Lins calls.
-    warnings.filterwarnings("ignore", message=".*_tensor.*deprecated.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % ranks_per_node:
         raise PlannerError(f"world size {world} is not divisible by ranks_per_node={ranks_per_node}")
@@ -93,9 +90,9 @@ def profile_bandwidth(
             big = torch.ones(numel, dtype=dtype, device=device)
             small = torch.ones(numel // n, dtype=dtype, device=device)
             if op == "all_gather":
-                call = lambda: dist.all_gather_into_tensor(big, small, group=group)  # noqa: E731
+                call = lambda: all_gather_single(big, small, group=group)  # noqa: E731
             elif op == "reduce_scatter":
-                call = lambda: dist.reduce_scatter_tensor(small, big, group=group)  # noqa: E731
+                call = lambda: reduce_scatter_single(small, big, group=group)  # noqa: E731
             else:
                 call = lambda: dist.all_reduce(big, group=group)  # noqa: E731
             call()
