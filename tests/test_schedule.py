@@ -150,16 +150,18 @@ def test_local_copies_of_hpz_regather_from_the_post_forward_shard():
 
 
 def test_chain_buffers_are_what_the_chains_allocate():
-    """Transient bytes per chain: packed inputs and gathered outputs, none where a
-    level is one rank wide or the OS layout is the G chunk itself."""
+    """Bytes per chain: the gradient a G chain is handed (the P shard), packed inputs
+    and gathered outputs, none where a level is one rank wide or the OS layout is the G
+    chunk itself."""
     from lins_dtensor.schedule import chain_buffer_bytes
 
     full, b = 64 * 32, 4
     for text, expected in [
         ("p=8,g=8,os=8", {"grads": 0, "optim": 0, "update": 0}),
         ("p=1,g=1,os=8", {"grads": 0, "optim": full * b, "update": full * b}),
-        ("p=1,g=2,os=8", {"grads": (full + full // 2) * b, "optim": full // 2 * b, "update": (full // 2 + full // 2 + full) * b}),
-        ("p=1,g=8,os=8", {"grads": (full + full // 8) * b, "optim": 0, "update": full * b}),
+        ("p=1,g=2,os=8", {"grads": (full + full + full // 2) * b, "optim": full // 2 * b, "update": (full // 2 + full // 2 + full) * b}),
+        ("p=1,g=8,os=8", {"grads": (full + full + full // 8) * b, "optim": 0, "update": full * b}),
+        ("p=2,g=8,os=8", {"grads": (full // 2 + full // 2 + full // 8) * b, "optim": 0, "update": full // 2 * b}),
     ]:
         plan = LinsPlan.parse(text, 8)
         geometry = _one_unit(plan)[0].geometry

@@ -292,7 +292,9 @@ def fsdp2_copy_bytes(
     (``True``; with hpZ, ``k``, it keeps a 1/k shard after forward, a copy, and
     re-gathers from it; ``False``, as for the root, re-gathers nothing); it copies the
     unsharded gradients into its reduce-scatter input, and the sharded gradient is a
-    view of the reduce-scatter's output (no copy out).
+    view of the reduce-scatter's output when FSDP2 stores P in the reduce dtype (stock
+    FSDP2 keeps fp32 parameters; Lins' P is in ``param_dtype``, and
+    :func:`local_copy_bytes` charges the cast FSDP2 then makes).
     """
     m = microbatches
     unshard = 2 * full_numel * param_bytes + 2 * shard_numel * param_bytes
@@ -320,8 +322,13 @@ def local_copy_bytes(
     """Bytes one rank reads plus writes in local copies around its collectives in one
     step, by phase: the memory-bound work that surrounds the collectives above.
 
-    With P sharded (s_p > 1), FSDP2 makes its own copies (:func:`fsdp2_copy_bytes`);
-    with P replicated Lins uses no FSDP2 and takes autograd's gradients as they are.
+    With P sharded (s_p > 1), FSDP2 makes its own copies (:func:`fsdp2_copy_bytes`),
+    and where P is stored in a dtype other than the reduce dtype, one more after Lins'
+    all-reduce hook has taken the gradient: FSDP2 casts the reduce-scatter output to
+    P's dtype for a ``.grad`` that Lins drops (``FSDPParamGroup`` casts to its
+    ``orig_dtype`` unconditionally; no FSDP2 setting skips it while P is stored in
+    ``param_dtype``). With P replicated Lins uses no FSDP2 and takes autograd's
+    gradients as they are.
     Each micro-batch's gradient then goes into the G buffer: copied by the first
     micro-batch of a step and added by the others, after a pack for the reduce-scatter
     when G is sharded finer than P (the first micro-batch's reduce-scatter writes into
@@ -346,6 +353,8 @@ def local_copy_bytes(
             )
             copies[Phase.FORWARD.value] += fsdp2[Phase.FORWARD.value]
             backward += fsdp2[Phase.BACKWARD.value]
+            if param_bytes != reduce_bytes:
+                backward += m * p_numel * (reduce_bytes + param_bytes)  # FSDP2's cast for the dropped .grad
             grad_bytes = reduce_bytes  # FSDP2 hands Lins the reduced shard in the reduce dtype
         else:
             grad_bytes = param_bytes  # autograd's gradient, in the parameter dtype
@@ -371,14 +380,16 @@ def local_copy_bytes(
 
 
 def chain_buffer_bytes(geometry: UnitGeometry, *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4) -> dict[str, int]:
-    """Transient bytes each of a unit's chains (:mod:`lins_dtensor.executor`) allocates
-    and holds until it is done: "grads", a micro-batch's reduce-scatter into G (packed
-    input, and the output a later micro-batch adds); "optim", the reduction to the OS
-    layout (packed input; its output is the optimizer's gradient, held until the step);
-    "update", the gathers back to P (cast masters, gathered outputs, packed G chunk)."""
+    """Transient bytes each of a unit's chains (:mod:`lins_dtensor.executor`) holds
+    until it is done: "grads", a micro-batch's reduce-scatter into G (the P-sharded
+    gradient it was handed, counted in the reduce dtype, FSDP2's; autograd's, with P
+    replicated, is in the parameter dtype, so this bounds it; the packed input; the
+    output a later micro-batch adds); "optim", the reduction to the OS layout (packed
+    input; its output is the optimizer's gradient, held until the step); "update", the
+    gathers back to P (cast masters, gathered outputs, packed G chunk)."""
     g = geometry
     o_n, g_n = g.optim.chunk_numel, g.grads.chunk_numel
-    grads = (g.grads.total_numel + g_n) * reduce_bytes if g.grads.k > 1 else 0
+    grads = (g.params.chunk_numel + g.grads.total_numel + g_n) * reduce_bytes if g.grads.k > 1 else 0
     optim = g.optim.total_numel * reduce_bytes if g.optim.k > 1 else 0
     update = o_n * param_bytes if param_bytes != master_bytes else 0
     if g.optim.k > 1:

@@ -105,8 +105,11 @@ def memory_breakdown(
     if plan.params > 1:
         # FSDP2 holds the gathered unit being computed and the prefetched next one; in
         # backward also that unit's unsharded gradient (param dtype) and its
-        # reduce-scatter input (reduce dtype).
+        # reduce-scatter input (reduce dtype), and where P is not stored in the reduce
+        # dtype, its cast of the reduced shard (schedule.local_copy_bytes says why).
         buffers = 2 * biggest * pb + 2 * biggest * (pb + rb)
+        if pb != rb:
+            buffers += math.ceil(biggest / plan.params) * pb
     else:
         # With P replicated, one unit's gradients from autograd until they are in G.
         buffers = biggest * pb
