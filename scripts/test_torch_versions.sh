@@ -31,7 +31,7 @@ SUBSET=(
   tests/test_layout.py
   tests/test_executor.py
   tests/test_packaging.py
-  tests/test_deprecations.py
+  tests/test_compat.py
   tests/test_runtime.py::test_fsdp_equivalent_plans_match_fsdp2_and_hsdp
   tests/test_runtime.py::test_fsdp_equivalent_plans_send_fsdp2_bytes
   tests/test_runtime.py::test_bf16_error_is_within_fsdp2_bf16_error
