@@ -34,6 +34,8 @@ from lins_dtensor.planner import (
 )
 from lins_dtensor.planner.bandwidth import CollectiveTimer, alpha_beta_seconds
 from lins_dtensor.planner.cli import main, model_arg, plan_parser
+from lins_dtensor.planner.compute import ComputeTerm, model_flops_per_token
+from lins_dtensor.planner.cost import PlanCost
 from lins_dtensor.planner.hardware import hardware_preset
 from lins_dtensor.planner.models import model_from_text, tensor_parallel_local
 from lins_dtensor.planner.profile import message_sizes, needed_shapes, parse_size, shape_groups
@@ -296,6 +298,111 @@ def test_selective_activation_checkpointing_lies_between_none_and_full():
     assert costs["none"].memory.activations > costs["selective"].memory.activations > costs["full"].memory.activations
     with pytest.raises(PlannerError, match="activation_checkpointing='sometimes' must be one of none, selective, full"):
         TrainingSpec(activation_checkpointing="sometimes")
+
+
+# ----- the compute curve ---------------------------------------------------------------
+GPU_PRESETS = ("a100-80gb", "a100-40gb", "a800", "h100-sxm", "h100-hbm2e", "h100-pcie", "h200")
+
+
+def _one_gpu(hardware: str, model: str, seq: int, micro_batch: int, ac: str = "none", **curve) -> PlanCost:
+    hw = dataclasses.replace(hardware_preset(hardware), **curve)
+    return evaluate(LinsPlan(1, 1, 1), model_preset(model), ClusterSpec(1, 1, hw), TrainingSpec(seq_len=seq, micro_batch=micro_batch, activation_checkpointing=ac))
+
+
+@pytest.mark.parametrize("hardware", GPU_PRESETS)
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_a_larger_micro_batch_never_lowers_mfu_on_one_device(hardware, ac):
+    """Larger GEMMs run nearer the ceiling and per-step work is shared by more tokens;
+    also with a per-call GEMM cost, where small GEMMs run well below the ceiling."""
+    for curve in ({}, {"gemm_call_s": 50e-6}):
+        for model, seq in (("llama_7b", 2048), ("llama3_8b", 512)):
+            mfu = [_one_gpu(hardware, model, seq, mb, ac, **curve).mfu for mb in (1, 2, 4, 8, 16)]
+            assert all(b >= a for a, b in zip(mfu, mfu[1:])) and mfu[-1] > mfu[0], (curve, model, mfu)
+
+
+@pytest.mark.parametrize("hardware", GPU_PRESETS)
+def test_full_checkpointing_hfu_is_four_thirds_of_mfu_and_selective_between(hardware):
+    for model, seq in (("llama_7b", 4096), ("llama3_70b", 8192), ("llama_13b", 2048)):
+        costs = {ac: _one_gpu(hardware, model, seq, 1, ac) for ac in ("none", "selective", "full")}
+        ratio = {ac: c.hfu / c.mfu for ac, c in costs.items()}
+        assert ratio["none"] == 1.0
+        assert ratio["full"] == pytest.approx(4 / 3, rel=0.05), (model, ratio)
+        assert 1.0 < ratio["selective"] < ratio["full"], (model, ratio)
+        assert costs["none"].mfu > costs["selective"].mfu > costs["full"].mfu
+
+
+def test_recomputation_is_costed_by_the_ops_the_policy_reruns():
+    """Full: the blocks' forward GEMMs, attention and elementwise work again (not the
+    output projection); selective (torchtitan's op policy): the 2nd, 4th and 6th matmuls
+    of each block (wk, wo, w3), the elementwise work, not attention."""
+    model, seq = model_preset("llama3_8b"), 4096
+    costs = {ac: _one_gpu("h100-sxm", "llama3_8b", seq, 2, ac) for ac in ("none", "selective", "full")}
+
+    def term(cost: PlanCost, kernel: str, pass_: str) -> ComputeTerm | None:
+        return next((t for t in cost.kernels.terms if (t.kernel, t.pass_) == (kernel, pass_)), None)
+
+    tokens, d, kv, f = 2 * seq, model.dim, model.kv_heads * model.head_dim, model.ffn_dim
+    head = 2 * tokens * model.vocab_size * d
+    forward_gemms = term(costs["none"], "gemm", "forward").flops
+    assert term(costs["full"], "gemm", "recompute").flops == pytest.approx(forward_gemms - head)
+    assert term(costs["selective"], "gemm", "recompute").flops == pytest.approx(model.n_layers * 2 * tokens * (kv * d + d * d + f * d))
+    assert term(costs["full"], "attention", "recompute").seconds == term(costs["full"], "attention", "forward").seconds
+    assert term(costs["selective"], "attention", "recompute") is None and term(costs["none"], "gemm", "recompute") is None
+    assert term(costs["selective"], "elementwise", "recompute").bytes == term(costs["full"], "elementwise", "recompute").bytes > 0
+    for ac in ("selective", "full"):  # recomputation runs in backward
+        recompute = sum(t.seconds for t in costs[ac].kernels.terms if t.pass_ == "recompute")
+        assert costs[ac].compute_s["backward"] - costs["none"].compute_s["backward"] == pytest.approx(recompute)
+    assert costs["none"].memory.activations > costs["selective"].memory.activations > costs["full"].memory.activations
+
+
+def test_short_sequences_and_small_gemms_run_below_the_ceiling():
+    hw = dataclasses.replace(hardware_preset("a100-80gb"), gemm_call_s=50e-6)
+    long, short = (evaluate(LinsPlan(1, 1, 1), model_preset("llama_7b"), ClusterSpec(1, 1, hw), TrainingSpec(seq_len=s)) for s in (8192, 512))
+
+    def efficiency(cost: PlanCost, kernel: str) -> float:
+        return next(t.efficiency for t in cost.kernels.terms if (t.kernel, t.pass_) == (kernel, "forward"))
+
+    ceiling = hw.efficiency * hw.gemm_efficiency
+    assert efficiency(short, "gemm") < efficiency(long, "gemm") < ceiling
+    assert efficiency(short, "attention") < efficiency(long, "attention") < hw.efficiency * hw.attention_efficiency
+
+
+def test_cpu_presets_keep_one_rate_for_every_flop():
+    """A rate measured on whole steps (cpu-emulated): every model FLOP at efficiency x peak."""
+    hw = hardware_preset("cpu-emulated")
+    model, training = model_preset("debugmodel"), TrainingSpec(seq_len=256, global_batch_tokens=256 * 4 * 3)
+    cost = evaluate(LinsPlan(4, 4, 4), model, ClusterSpec(4, 2, hw), training)
+    kernels = sum(t.seconds for t in cost.kernels.terms)
+    # The MFU convention counts the norms' weights as matmul parameters; no GEMM runs them.
+    norms = 6 * (2 * model.n_layers + 1) * model.dim * 256 * 3
+    assert kernels == pytest.approx((model_flops_per_token(model, 256) * 256 * 3 - norms) / (hw.efficiency * hw.peak_flops))
+    assert {t.kernel for t in cost.kernels.terms} == {"gemm", "attention"}
+
+
+def test_gpu_variants_and_the_names_they_had():
+    assert hardware_preset("h100") == hardware_preset("h100-sxm") and hardware_preset("a100") == hardware_preset("a100-80gb")
+    assert hardware_preset("H100_500W") == hardware_preset("h100-hbm2e")
+    memory = {name: hardware_preset(name).memory_bytes / 2**30 for name in GPU_PRESETS}
+    assert memory == {"a100-80gb": 80, "a100-40gb": 40, "a800": 80, "h100-sxm": 80, "h100-hbm2e": 96, "h100-pcie": 80, "h200": 141}
+    assert hardware_preset("h100-pcie").peak_flops < hardware_preset("h100-sxm").peak_flops == hardware_preset("h200").peak_flops
+    assert hardware_preset("h200").hbm_bw > hardware_preset("h100-sxm").hbm_bw > hardware_preset("h100-hbm2e").hbm_bw
+    assert hardware_preset("a100-40gb").hbm_bw < hardware_preset("a100-80gb").hbm_bw
+
+
+def test_cli_says_which_efficiency_each_compute_term_used(capsys):
+    args = ["--model", "llama3_8b", "--gpus", "16", "--hardware", "h100", "--seq-len", "8192", "--activation-checkpointing", "selective", "--top", "2"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"gemm +forward .* efficiency 0\.\d{3} of peak", text) and re.search(r"attention +backward .* efficiency", text)
+    assert re.search(r"gemm +recompute", text) and "memory-bound" in text
+    assert main(args + ["--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    terms = {(t["kernel"], t["pass"]): t for t in chosen["compute_terms"]}
+    assert {("gemm", "forward"), ("attention", "forward"), ("gemm", "recompute"), ("elementwise", "recompute")} <= set(terms)
+    assert 0 < terms[("attention", "forward")]["efficiency"] < terms[("gemm", "forward")]["efficiency"] < 1
+    assert terms[("elementwise", "forward")]["efficiency"] is None and terms[("elementwise", "forward")]["bandwidth_gb_s"] > 0
+    assert sum(t["seconds"] for t in chosen["compute_terms"]) <= sum(chosen["compute_s"].values())
+    assert chosen["mfu"] < chosen["hfu"]
 
 
 def test_tensor_parallel_degree_divides_states_and_adds_exposed_activation_collectives():

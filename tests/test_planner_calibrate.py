@@ -76,6 +76,20 @@ def test_fit_recovers_known_efficiency_and_bandwidth(plans, with_comm, fitted):
         assert after == pytest.approx(m.step_s, rel=0.01)
 
 
+def test_calibration_scales_a_gpu_compute_curve_and_keeps_its_shape():
+    """On a GPU preset the fitted efficiency scales every kernel's rate; the curve's shape
+    (GEMM and attention ceilings, sequence dependence) is the preset's."""
+    cluster = ClusterSpec(16, 8, hardware_preset("h100-sxm"))
+    run = CalibrationRun(decoder_spec("7b", n_layers=32, dim=4096, ffn_dim=11008, n_heads=32, vocab_size=32000), cluster,
+                         TrainingSpec(seq_len=4096, activation_checkpointing="full"), [])
+    true = dataclasses.replace(cluster.hardware, efficiency=0.55)
+    run.measurements = [Measurement("fsdp", predict(run, true, Measurement("fsdp", 1.0)).step_s)]
+    cal = fit(run)
+    assert cal.fitted == ["efficiency"] and cal.hardware.efficiency == pytest.approx(0.55, rel=0.01)
+    shape = ("gemm_efficiency", "gemm_call_s", "attention_efficiency", "attention_half_seq", "attention_backward_ratio", "attention_causal_work")
+    assert all(getattr(cal.hardware, k) == getattr(cluster.hardware, k) for k in shape)
+
+
 def test_one_step_time_fits_efficiency_only():
     """One number cannot tell slow compute from a slow network: the bandwidth stays."""
     run, _ = synthetic(PLANS[:1], with_comm=False)
@@ -102,10 +116,12 @@ def test_run_file_round_trip():
 
 
 def test_hardware_file_rejects_bad_fields():
-    good = hardware_to_json(HARDWARE_PRESETS["h100"])
+    good = hardware_to_json(HARDWARE_PRESETS["h100-sxm"])
     for bad, message in [
         ({**good, "format": "x"}, "not a 'lins-hardware/1'"),
         ({**good, "efficiency": 1.5}, "efficiency"),
+        ({**good, "gemm_efficiency": 1.2}, "'gemm_efficiency' = 1.2 must be in"),
+        ({**good, "attention_half_seq": -1}, "'attention_half_seq' = -1"),
         ({**good, "inter_bw": -1}, "'inter_bw' = -1"),
         ({**good, "inter_bw": "fast"}, "'inter_bw' = 'fast'"),
         ({**good, "nics": 4}, "unknown field 'nics'"),

@@ -25,7 +25,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh
 from lins_dtensor.bench.model import MODEL_SIZES, batch, build_model, loss_fn
-from lins_dtensor.planner.cost import model_flops_per_token, network_bytes
+from lins_dtensor.planner.compute import model_flops_per_token
+from lins_dtensor.planner.cost import network_bytes
 from lins_dtensor.planner.memory import rank0_units
 from lins_dtensor.planner.models import model_from_module
 from lins_dtensor.runtime import default_units

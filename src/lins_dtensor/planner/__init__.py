@@ -6,7 +6,8 @@ script ``lins-plan`` (and ``python -m lins_dtensor.planner``) wraps it, and
 """
 
 from lins_dtensor.planner.bandwidth import BandwidthTable, CollectiveTimer, alpha_beta_seconds
-from lins_dtensor.planner.cost import PlanCost, evaluate, model_flops_per_token
+from lins_dtensor.planner.compute import model_flops_per_token
+from lins_dtensor.planner.cost import PlanCost, evaluate
 from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, HardwareSpec, hardware_preset
 from lins_dtensor.planner.memory import MemoryBreakdown, activation_bytes, memory_breakdown, rank0_units
 from lins_dtensor.planner.models import MODEL_PRESETS, ModelSpec, PlannerError, model_from_module, model_preset

@@ -2,6 +2,11 @@
 intra-node bandwidths to measured step times, and write a hardware file used instead
 of a preset.
 
+The efficiency is the scale of the device's compute curve
+(:mod:`lins_dtensor.planner.compute`): every kernel's rate moves with it, while the
+curve's shape (how small GEMMs and short-sequence attention fall below their ceilings,
+from kernel benchmarks) is kept, since one run's step times cannot tell it apart.
+
 Only these are fitted because they are what a preset gets wrong on someone else's
 cluster (kernels, clocks and power caps; the real network and node interconnect, their
 contention and stack), all keep their physical meaning for every other plan, and a
@@ -380,7 +385,7 @@ def report(run: CalibrationRun, cal: Calibration) -> str:
     c = run.cluster
     lines = [
         f"calibrated {base.name} on {c.gpus} ranks ({c.nodes} nodes x {c.gpus_per_node}) from {len(run.measurements)} measured step time(s)",
-        f"  efficiency {base.efficiency:.3f} -> {hw.efficiency:.3f}",
+        f"  efficiency {base.efficiency:.3f} -> {hw.efficiency:.3f} (the compute curve's scale)",
         f"  inter_bw   {base.inter_bw / 1e9:.4g} -> {hw.inter_bw / 1e9:.4g} GB/s per node",
         f"  intra_bw   {base.intra_bw / 1e9:.4g} -> {hw.intra_bw / 1e9:.4g} GB/s per rank",
         f"  ({cal.note})",

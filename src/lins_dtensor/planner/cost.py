@@ -17,8 +17,8 @@ runtime sends. Overlap follows who issues each collective (``CollectiveSpec.issu
   inside a node cannot hide (``intra_comm_hides``: the emulated CPU cluster, whose
   loopback copies run on the cores that compute), Lins' intra-node ones are exposed.
 
-Compute is the model FLOPs at the device's rate, plus the memory-bound work around the
-collectives (:func:`lins_dtensor.schedule.local_copy_bytes` at the copy bandwidth) and
+Compute is the model's kernels at the device's compute curve
+(:mod:`lins_dtensor.planner.compute`), plus the memory-bound work around the collectives (:func:`lins_dtensor.schedule.local_copy_bytes` at the copy bandwidth) and
 the host time per unit of FSDP2's hooks (where P is sharded) or Lins' gradient hooks
 (where it is replicated), both of which matter on CPUs and barely on GPUs.
 """
@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner.bandwidth import CollectiveTimer
+from lins_dtensor.planner.compute import StepCompute, step_compute
 from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import MemoryBreakdown, memory_breakdown, rank0_units
 from lins_dtensor.planner.models import ModelSpec, tensor_parallel_local
@@ -59,12 +60,6 @@ def network_bytes(record: CollectiveRecord) -> float:
     return record.wire_bytes / (record.group_size // record.nodes)
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per matmul parameter plus causal-free attention
-    12 * layers * dim * seq (the PaLM-appendix convention MFU is usually quoted in)."""
-    return 6.0 * model.matmul_params + 12.0 * model.n_layers * model.dim * seq_len
-
-
 @dataclasses.dataclass
 class PlanCost:
     """Everything predicted for one plan on one cluster."""
@@ -74,6 +69,7 @@ class PlanCost:
     memory: MemoryBreakdown
     budget: float
     compute_s: dict[str, float]  # per step: forward, backward (incl. recompute), step (optimizer), each with its local copies
+    kernels: StepCompute  # the model's kernels in compute_s: each kind's seconds and the efficiency it ran at
     comm_s: dict[str, float]  # per step, raw time of each phase's collectives
     exposed_s: dict[str, float]  # per step, the part not hidden behind compute
     exposed_state_s: dict[str, float]  # the same Lins/FSDP2 seconds by state (params, grads, optim); TP's are not a state
@@ -83,6 +79,11 @@ class PlanCost:
     records: list[CollectiveRecord]
     record_s: list[float]  # time of each record (all its calls)
     record_phase: list[str]  # the phase each record runs in
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: MFU with the recomputed forward's FLOPs counted."""
+        return self.mfu * (1 + self.kernels.recomputed_model_flops / self.kernels.model_flops)
 
     @property
     def fits(self) -> bool:
@@ -154,17 +155,13 @@ def evaluate(
     for t, phase in zip(record_s, record_phase):
         comm[phase] += t
 
-    # Compute: forward is a third of the model FLOPs, backward two thirds, plus the
-    # share of the forward that activation checkpointing recomputes.
+    # Compute: the model's kernels (recomputation runs in backward), then the optimizer.
     tokens = training.microbatch_tokens * m  # per data-parallel rank (a TP group shares them)
-    flops = model_flops_per_token(model, training.seq_len) * tokens / cluster.tp  # per GPU
-    rate = hw.peak_flops * hw.efficiency
-    forward = flops / 3 / rate
-    backward = 2 * flops / 3 / rate + training.recomputed_forward * forward
+    kernels = step_compute(model, training, hw, cluster.tp, m)
     # Adam reads and writes master, m, v and reads the gradient: memory-bound.
     os_numel = memory.optim / (training.master_bytes * (1 + training.optim_states))
     optimizer = os_numel * (2 * training.master_bytes * (1 + training.optim_states) + training.reduce_bytes) / hw.hbm_bw
-    compute = {"forward": forward, "backward": backward, "step": optimizer}
+    compute = {"forward": kernels.seconds("forward"), "backward": kernels.seconds("backward", "recompute"), "step": optimizer}
     copies = local_copy_bytes(
         plan, units, microbatches=m, param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, master_bytes=training.master_bytes,
     )
@@ -181,9 +178,9 @@ def evaluate(
         comm[phase] += seconds_tp
         exposed[phase] += seconds_tp
     step_s = sum(compute.values()) + sum(exposed.values())
-    mfu = flops / (step_s * hw.peak_flops)
+    mfu = kernels.model_flops / (step_s * hw.peak_flops)
     return PlanCost(
-        plan, m, memory, cluster.memory_budget, compute, comm, exposed, exposed_state, step_s, mfu, tokens * cluster.dp_ranks / step_s,
+        plan, m, memory, cluster.memory_budget, compute, kernels, comm, exposed, exposed_state, step_s, mfu, tokens * cluster.dp_ranks / step_s,
         records, record_s, record_phase,
     )
 
@@ -191,14 +188,17 @@ def evaluate(
 def tensor_parallel_seconds(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, timer: CollectiveTimer, m: int) -> dict[str, float]:
     """Per step, the activation collectives of tensor + sequence parallelism inside the
     node: each block gathers its input and reduce-scatters its output around attention
-    and around the MLP, in forward and mirrored in backward (plus the recomputed share of
-    the forward). They sit on the critical path (no asynchronous TP): all exposed."""
+    and around the MLP, in forward and mirrored in backward, plus those that activation
+    checkpointing re-runs. They sit on the critical path (no asynchronous TP): all exposed."""
     if cluster.tp == 1:
         return {}
     message = training.microbatch_tokens * model.dim * training.activation_bytes
-    pair = sum(timer.seconds(op.value, cluster.tp, 1, message) for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER))
-    forward = 2 * pair * model.n_layers * m
-    return {"forward": forward, "backward": forward * (1 + training.recomputed_forward)}
+
+    def per_step(ops: Sequence[Op]) -> float:  # each op twice per block (attention, MLP)
+        return 2 * model.n_layers * m * sum(timer.seconds(op.value, cluster.tp, 1, message) for op in ops)
+
+    forward = per_step((Op.ALL_GATHER, Op.REDUCE_SCATTER))
+    return {"forward": forward, "backward": forward + per_step(training.recompute.tp_collectives)}
 
 
 def _can_hide(record: CollectiveRecord, intra_hides: bool) -> bool:

@@ -5,9 +5,25 @@ nccl-tests), not link ratings: ``intra_bw`` per rank inside a node, ``inter_bw``
 across the network (all the node's NICs together, shared by every group that leaves
 the node). ``alpha_*`` are the per-step latencies of a ring collective; an all-reduce
 across nodes may instead run NCCL's tree, whose latency grows with log2(nodes)
-(``tree_alpha*``). ``efficiency`` is fitted to published single-node runs
-(:mod:`lins_dtensor.planner.validation`); the test suite checks these values against
-the fit. Sources of the network numbers, each a published measurement:
+(``tree_alpha*``). The compute curve (:mod:`lins_dtensor.planner.compute`) takes its
+shape from single-GPU kernel benchmarks and its scale, ``efficiency``, from published
+single-node training runs (:mod:`lins_dtensor.planner.validation`; the test suite checks
+these values against the fit):
+
+* GEMM ceilings: the best bf16 matmul stas00/ml-engineering's mamf-finder measured
+  (compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"):
+  A100 SXM 267.9 of 312 TFLOPS (0.859), H100 SXM 792.1 of 989 (0.801).
+* Attention (FlashAttention-2, what SDPA runs in torchtitan): on an A100, causal forward
+  with 32 heads, 143.7 TFLOPS at sequence 1024 and 156.3-159.4 at 4096
+  (github.com/liangan1/GPU_travel performance/flash-attn/README.md): s / (s + 138) of a
+  163 TFLOPS ceiling (0.523); on an H100 FlashAttention-2 reaches 35 % of peak
+  (FlashAttention-3, arXiv 2407.08608), taken with the same shape; its backward runs at
+  0.66 of its forward's rate for 2.5x the FLOPs (apache/tvm tl_doc/flash_perf.md, causal,
+  head dim 128: 151.19 forward, 99.23 backward TFLOPS): 3.8x the forward's time.
+* Memory: A100 40 GB 1.555 TB/s, 80 GB 2.039 TB/s; H100 SXM 3.35 TB/s, PCIe 2.0 TB/s at
+  756 TFLOPS; H200 4.8 TB/s (NVIDIA's datasheets).
+
+Sources of the network numbers, each a published measurement:
 
 * A100: NVLink 3 ring all-reduce bus bandwidth 232 GB/s on 8 GPUs, 192 GB/s across DGX
   A100 nodes with 8 x 200 Gb/s (NVIDIA GTC24 S62129); the A800 caps NVLink at 400 GB/s
@@ -17,6 +33,8 @@ the fit. Sources of the network numbers, each a published measurement:
 * H100 / H200: all-gather and reduce-scatter ring bus bandwidth 361-370 GB/s on 8 GPUs
   (nccl-tests issue 212; an 8 x H200 node, stas00/ml-engineering network/README.md);
   NDR 400 Gb/s NICs give 46-48 GB/s each (nccl-tests issue 290): 8 x 46 per node.
+* H100 HBM2e (torchtitan's Grand Teton hosts): 96 GB at 2.4 TB/s, 500 W, 400 Gb/s per GPU
+  (torchtitan benchmarks/llama3_h100_202412_torchtitan.md).
 * Latency: 8 x A100 all-reduce of 32 KiB takes 44 us, 14 ring steps (stas00's
   nccl-tests sweep): 3 us a step. All-reduce across 4 to 512 nodes, read off NCCL's
   published scaling plot (arXiv 2411.13055, reproduced in stas00/ml-engineering): the
@@ -45,12 +63,12 @@ class HardwareSpec:
     peak_flops: float  # dense bf16 (or fp32 on CPU) per rank
     intra_bw: float  # bytes/s per rank inside a node
     inter_bw: float  # bytes/s per node between nodes
-    hbm_bw: float  # bytes/s per rank, for the (memory-bound) optimizer step
+    hbm_bw: float  # bytes/s per rank: the optimizer step, elementwise work, small GEMMs
     alpha_intra: float = 3e-6
     alpha_inter: float = 15e-6
     tree_alpha: float = 54e-6  # all-reduce across nodes by tree: this ...
     tree_alpha_per_doubling: float = 83e-6  # ... plus this per doubling of the nodes
-    efficiency: float = 0.6  # fraction of peak FLOPs a well-tuned step reaches (fitted)
+    efficiency: float = 0.6  # the compute curve's scale: fitted to training runs (1: the kernel benchmarks' rates)
     reserved_bytes: float = 2 * GiB  # context, allocator fragmentation, workspaces
     memory_shared_by_world: bool = False  # cpu-emulated: one host's memory for all ranks
     copy_bw: float | None = None  # bytes/s per rank read + written by local copies (None: hbm_bw)
@@ -66,6 +84,19 @@ class HardwareSpec:
     # cluster: gloo over loopback copies through the kernel on the very cores that
     # compute, so an intra-node collective is host work, which nothing hides.
     intra_comm_hides: bool = True
+    # The compute curve (lins_dtensor.planner.compute): kernel rates as shares of
+    # peak_flops, each scaled by ``efficiency``. The defaults run every FLOP at
+    # efficiency x peak: a rate measured on whole steps (``whole_step_rate``).
+    gemm_efficiency: float = 1.0  # large GEMMs' share of peak (a matmul benchmark's best)
+    gemm_call_s: float = 0.0  # seconds per GEMM call beyond its work at that rate
+    attention_efficiency: float = 1.0  # causal attention's forward on long sequences
+    attention_half_seq: float = 0.0  # sequence length at which attention runs at half that
+    attention_backward_ratio: float = 2.0  # attention's backward seconds per forward second
+    attention_causal_work: float = 1.0  # share of the s x s scores causal attention computes (flash: 0.5)
+    # True where peak_flops x efficiency was measured on whole steps (the benchmark's
+    # probe on CPU): it covers the elementwise work and the GEMMs' memory traffic, which
+    # are then not timed apart at hbm_bw.
+    whole_step_rate: bool = True
 
     @property
     def copy_bandwidth(self) -> float:
@@ -75,15 +106,33 @@ class HardwareSpec:
         return self.memory_bytes / world_size if self.memory_shared_by_world else self.memory_bytes
 
 
-_A100 = HardwareSpec("a100", 8, 80 * GiB, 312e12, 232 * GB, 192 * GB, 2.0e12, efficiency=0.615)
-_H100 = HardwareSpec("h100", 8, 80 * GiB, 989e12, 365 * GB, 8 * 46 * GB, 3.35e12, efficiency=0.402)
+# The compute curves of NVIDIA's training GPUs under PyTorch eager (cuBLAS GEMMs,
+# FlashAttention-2 through SDPA, see the module docstring), before the fitted scale.
+_FLASH_ATTENTION_2 = dict(attention_half_seq=138.0, attention_backward_ratio=3.8, attention_causal_work=0.5, whole_step_rate=False)
+_AMPERE = dict(peak_flops=312e12, gemm_efficiency=0.859, attention_efficiency=0.523, **_FLASH_ATTENTION_2)
+_HOPPER = dict(peak_flops=989e12, gemm_efficiency=0.801, attention_efficiency=0.353, **_FLASH_ATTENTION_2)
+# The scale fitted to torchtitan's 8 x H100 HBM2e run (validation.py); the SXM parts and
+# the H100 PCIe, which have no published single-node run here, take the A100's: the same
+# software stack's distance from its kernel benchmarks.
+_A100_SCALE = 0.776
+_H100_500W_SCALE = 0.607
+
+_A100_80GB = HardwareSpec("a100-80gb", 8, 80 * GiB, intra_bw=232 * GB, inter_bw=192 * GB, hbm_bw=2.039e12, efficiency=_A100_SCALE, **_AMPERE)
+_H100_SXM = HardwareSpec("h100-sxm", 8, 80 * GiB, intra_bw=365 * GB, inter_bw=8 * 46 * GB, hbm_bw=3.35e12, efficiency=_A100_SCALE, **_HOPPER)
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    "a800": dataclasses.replace(_A100, name="a800", intra_bw=156 * GB, inter_bw=91 * GB, hbm_bw=1.9e12),
-    "a100": _A100,  # a DGX A100: 8 x 200 Gb/s per node
-    # The efficiency is fitted to torchtitan's H100s (96 GB HBM2e at 500 W, below an
-    # 80 GB SXM's clock); a 700 W SXM H100 reaches more.
-    "h100": _H100,
-    "h200": dataclasses.replace(_H100, name="h200", memory_bytes=141 * GiB, hbm_bw=4.8e12),
+    "a100-80gb": _A100_80GB,  # a DGX A100: 8 x 200 Gb/s per node
+    "a100-40gb": dataclasses.replace(_A100_80GB, name="a100-40gb", memory_bytes=40 * GiB, hbm_bw=1.555e12),
+    "a800": dataclasses.replace(_A100_80GB, name="a800", intra_bw=156 * GB, inter_bw=91 * GB),
+    "h100-sxm": _H100_SXM,  # 700 W, 80 GB HBM3
+    # torchtitan's H100s: 96 GB HBM2e (2.4 TB/s) at 500 W, below an SXM part's clocks
+    # (its own scale); 400 Gb/s per GPU between nodes.
+    "h100-hbm2e": dataclasses.replace(
+        _H100_SXM, name="h100-hbm2e", memory_bytes=96 * GiB, hbm_bw=2.4e12, inter_bw=8 * 50 * GB, efficiency=_H100_500W_SCALE,
+    ),
+    # 350 W, 80 GB HBM2e; NVLink bridges pair the cards, so a node's ring runs over
+    # PCIe Gen5 x16 (64 GB/s, taken at the A100 ring's 78 % of its link: not measured).
+    "h100-pcie": dataclasses.replace(_H100_SXM, name="h100-pcie", peak_flops=756e12, hbm_bw=2.0e12, intra_bw=50 * GB),
+    "h200": dataclasses.replace(_H100_SXM, name="h200", memory_bytes=141 * GiB, hbm_bw=4.8e12),
     # The benchmark's emulated cluster: gloo over loopback inside a "node", a tbf
     # rate-limited veth (default 400 Mbit/s) between nodes, all on one 24 GiB host;
     # gloo has no tree all-reduce and reduce-scatters by all-reducing.
@@ -93,14 +142,16 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         reduce_scatter_is_all_reduce=True, intra_comm_hides=False,
     ),
 }
+# Names that other presets went by: "a100" and "h100" are the 80 GB SXM parts most
+# clusters run; "cpu" the emulated cluster.
+PRESET_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h100-500w": "h100-hbm2e", "cpu": "cpu-emulated"}
 
 
 def hardware_preset(name: str) -> HardwareSpec:
     key = name.strip().lower().replace("_", "-")
-    if key == "cpu":
-        key = "cpu-emulated"
+    key = PRESET_ALIASES.get(key, key)
     if key not in HARDWARE_PRESETS:
-        raise PlannerError(f"unknown hardware preset '{name}'; known: {', '.join(HARDWARE_PRESETS)}")
+        raise PlannerError(f"unknown hardware preset '{name}'; known: {', '.join([*HARDWARE_PRESETS, *PRESET_ALIASES])}")
     return HARDWARE_PRESETS[key]
 
 
@@ -158,6 +209,8 @@ class ClusterSpec:
 
 HARDWARE_FORMAT = "lins-hardware/1"
 _OPTIONAL_FLOATS = {"copy_bw"}  # None has a meaning (see HardwareSpec)
+_MAY_BE_ZERO = {"unit_overhead_s", "replicated_unit_overhead_s", "gemm_call_s", "attention_half_seq"}
+_SHARES = ("efficiency", "gemm_efficiency", "attention_efficiency", "attention_causal_work")  # in (0, 1]
 
 
 def hardware_to_json(hw: HardwareSpec) -> dict:
@@ -202,13 +255,14 @@ def hardware_from_json(data: object, where: str = "hardware file") -> HardwareSp
                 if isinstance(value, bool) or not isinstance(value, (int, float, str)):
                     raise ValueError
                 number = float(value)
-                if not number >= 0 or (number == 0 and key not in ("unit_overhead_s", "replicated_unit_overhead_s")):
+                if not number >= 0 or (number == 0 and key not in _MAY_BE_ZERO):
                     raise ValueError
                 kwargs[key] = number
         except (TypeError, ValueError):
             raise PlannerError(f"{where}: '{key}' = {value!r} is not valid") from None
-    if "efficiency" in kwargs and kwargs["efficiency"] > 1:
-        raise PlannerError(f"{where}: 'efficiency' = {kwargs['efficiency']} must be in (0, 1]")
+    for key in _SHARES:
+        if kwargs.get(key, 0) > 1:
+            raise PlannerError(f"{where}: '{key}' = {kwargs[key]} must be in (0, 1]")
     return HardwareSpec(**kwargs)
 
 

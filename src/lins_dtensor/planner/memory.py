@@ -16,7 +16,7 @@ import torch
 
 from lins_dtensor.mesh import MESH_DIMS
 from lins_dtensor.plan import LinsPlan
-from lins_dtensor.planner.models import ModelSpec, shapes_numel, tensor_parallel_local
+from lins_dtensor.planner.models import ModelSpec, block_matmuls, shapes_numel, tensor_parallel_local
 from lins_dtensor.planner.training import TrainingSpec
 from lins_dtensor.schedule import UnitGeometry, UnitSchedule, chain_buffer_bytes, default_max_inflight_bytes, state_memory_bytes
 
@@ -49,19 +49,24 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec) -> int:
 
     Per block and token, saved for backward: block input, both norm outputs, the
     residual, q, k, v, the attention output, w1 and w3 outputs, their SwiGLU product
-    (2 bytes each in bf16), and FlashAttention's fp32 log-sum-exp per head. With full
-    checkpointing only each block's input stays, plus one block recomputed at a time;
-    selective checkpointing keeps about half of each block's saved tensors besides.
+    (2 bytes each in bf16), and FlashAttention's fp32 log-sum-exp per head. With
+    activation checkpointing each block keeps its input and what the policy does not
+    recompute (:data:`~lins_dtensor.planner.training.RECOMPUTED_FORWARD`: under
+    torchtitan's op policy the outputs of every other matmul and of attention), plus one
+    block recomputed at a time.
     """
     t = training.microbatch_tokens
     a = training.activation_bytes
     d, kv, f = model.dim, model.kv_heads * model.head_dim, model.ffn_dim
-    block = t * (a * (6 * d + 2 * kv) + a * 3 * f + 4 * model.n_heads)
-    kept = 1.0 - training.recomputed_forward  # selective: half of what a block saves
+    attention_output = a * d + 4 * model.n_heads  # with its log-sum-exp
+    block = t * (a * (5 * d + 2 * kv) + a * 3 * f + attention_output)
+    policy = training.recompute
     if training.activation_checkpointing == "none":
         blocks = model.n_layers * block
     else:
-        blocks = model.n_layers * (t * a * d + int(kept * block)) + block
+        kept = sum(out for i, (out, _) in enumerate(block_matmuls(model)) if not policy.recomputes_matmul(i)) * a
+        kept += 0 if policy.attention else attention_output
+        blocks = model.n_layers * t * (a * d + kept) + block
     # Final norm in/out, logits in bf16, their fp32 copy for the loss and its gradient.
     head = t * (2 * a * d + model.vocab_size * (a + 4 + 4))
     return blocks + head

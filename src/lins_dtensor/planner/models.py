@@ -123,6 +123,22 @@ def tensor_parallel_local(model: ModelSpec, tp: int) -> ModelSpec:
     return dataclasses.replace(model, units=units, embedding_params=(v // tp) * d)
 
 
+# A LLaMA block multiplies by its weights in this order (indices into
+# ModelSpec.block_shapes(), which is parameter order): wq, wk, wv, then wo after
+# attention, then w1 and w3 whose SwiGLU product feeds w2.
+_FORWARD_ORDER = (0, 1, 2, 3, 4, 6, 5)
+
+
+def block_matmuls(model: ModelSpec, tp: int = 1) -> tuple[Shape, ...]:
+    """The (out, in) weights one of ``tp`` ranks multiplies by in one block's forward, in
+    the order it does (what activation checkpointing policies count); for explicit unit
+    shapes (read from a module), the first block unit's matrices in parameter order."""
+    if model.units is not None:
+        return tuple(s for s in model.unit_shapes()[1] if len(s) == 2) if model.n_layers else ()
+    block = tensor_parallel_local(model, tp).unit_shapes()[1]
+    return tuple(block[i] for i in _FORWARD_ORDER)
+
+
 def architecture_only(model: ModelSpec) -> ModelSpec:
     """``model`` described by its architecture numbers alone, which is what
     :func:`tensor_parallel_local` splits; a PlannerError if the explicit unit shapes

@@ -7,6 +7,7 @@ changes meaning.
 
 from __future__ import annotations
 
+from lins_dtensor.planner.compute import ComputeTerm
 from lins_dtensor.planner.cost import PlanCost
 from lins_dtensor.planner.memory import GiB, figure
 from lins_dtensor.planner.search import Explanation
@@ -27,11 +28,13 @@ def plan_record(cost: PlanCost, ranks_per_node: int) -> dict:
         "split": {state: list(v) for state, v in split.items()},
         "step_time_s": round(cost.step_s, 6),
         "mfu": round(cost.mfu, 4),
+        "hfu": round(cost.hfu, 4),
         "tokens_per_s": round(cost.tokens_per_s, 1),
         "fits": cost.fits,
         "memory_gib": cost.memory.gib(),
         "over_budget_gib": round(max(0.0, cost.over_bytes) / GiB, 3),
         "compute_s": {k: round(v, 6) for k, v in cost.compute_s.items()},
+        "compute_terms": [term.record() for term in cost.kernels.terms],
         "comm_s": {k: round(v, 6) for k, v in cost.comm_s.items()},
         "exposed_comm_s": {k: round(v, 6) for k, v in cost.exposed_s.items()},
         "network_gb_per_rank": {link: round(cost.link_bytes(link) / 1e9, 4) for link in ("intra", "inter")},
@@ -98,6 +101,13 @@ def split_text(cost: PlanCost, rpn: int) -> str:
     return " | ".join(f"{a}x{b}" for a, b in split.values())
 
 
+def compute_term_text(term: ComputeTerm) -> str:
+    """One kernel kind's seconds and the efficiency (or bandwidth) it ran at."""
+    rate = (f"efficiency {term.efficiency:.3f} of peak" if term.efficiency is not None
+            else f"memory-bound, {term.bytes / 1e9:.1f} GB at {term.bandwidth / 1e9:.0f} GB/s")
+    return f"{term.kernel:<11} {term.pass_:<9} {term.seconds:8.3f} s  {rate}"
+
+
 def _row(label: str, cost: PlanCost | None, rpn: int, win: PlanCost, note: str = "") -> str:
     if cost is None:
         return f"  {label:<16} {note}"
@@ -147,6 +157,8 @@ def to_text(ex: Explanation, top: int = 10) -> str:
         f"  {'':<16} memory GiB: P {m['params']:.2f}  G {m['grads']:.2f}  OS {m['optim']:.2f}  "
         f"activations {m['activations']:.2f}  buffers {m['buffers']:.2f}  step {m['step_buffers']:.2f}"
     )
+    lines += ["", "Compute of the chosen plan per step (the efficiency is the share of peak FLOP/s each kind of kernel ran at):"]
+    lines += [f"  {'':<16} {compute_term_text(t)}" for t in win.kernels.terms]
     lines += ["", "Baselines:"]
     lines += [_row(b.name, b.cost, rpn, win, b.note) for b in ex.baselines]
     lines += ["", f"Top {min(top, len(ex.ranked))} by predicted step time:"]

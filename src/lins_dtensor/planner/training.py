@@ -5,10 +5,39 @@ from __future__ import annotations
 import dataclasses
 
 from lins_dtensor.planner.models import PlannerError
+from lins_dtensor.schedule import Op
 
 
-# Share of the forward pass that activation checkpointing recomputes in backward, per mode.
-RECOMPUTED_FORWARD = {"none": 0.0, "selective": 0.5, "full": 1.0}
+@dataclasses.dataclass(frozen=True)
+class RecomputePolicy:
+    """What activation checkpointing re-runs of each block's forward during backward.
+
+    ``matmul_every``: every n-th matmul of the block's forward (counted from 1) is
+    recomputed, its output not kept: 1 all of them, 2 torchtitan's selective op policy
+    (it saves the outputs of mm "except every second mm"), 0 none. ``attention``,
+    ``elementwise`` (norms, RoPE, SwiGLU, residual adds): whether those are re-run.
+    ``tp_collectives``: the tensor-parallel activation collectives re-run (torchtitan
+    saves reduce-scatter outputs under its op policy, not all-gather ones).
+    """
+
+    matmul_every: int
+    attention: bool
+    elementwise: bool
+    tp_collectives: tuple[Op, ...]
+
+    def recomputes_matmul(self, index: int) -> bool:
+        """Whether the block's matmul at 0-based forward position ``index`` is re-run."""
+        return self.matmul_every > 0 and (index + 1) % self.matmul_every == 0
+
+
+# Per torchtitan mode: "full" wraps each block in a checkpoint (its whole forward re-runs);
+# "selective" is its op policy (torchtitan/distributed/activation_checkpoint.py,
+# _apply_op_sac, with llama3's _op_sac_save_list: mm, SDPA and reduce_scatter saved).
+RECOMPUTED_FORWARD = {
+    "none": RecomputePolicy(0, attention=False, elementwise=False, tp_collectives=()),
+    "selective": RecomputePolicy(2, attention=False, elementwise=True, tp_collectives=(Op.ALL_GATHER,)),
+    "full": RecomputePolicy(1, attention=True, elementwise=True, tp_collectives=(Op.ALL_GATHER, Op.REDUCE_SCATTER)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +56,8 @@ class TrainingSpec:
     at the optimizer step (``set_requires_gradient_sync(model, False)``).
     ``overlap_step``: the update gathers run behind the next forward, as the runtime
     does; off, they are exposed. ``activation_checkpointing`` is torchtitan's mode:
-    "none", "selective" (its per-op policy, which saves every other matmul output, or
-    every other block: about half the forward recomputed, half the activations kept) or
-    "full" (every block).
+    "none", "selective" (its per-op policy: every second matmul and the elementwise work
+    re-run, attention kept; :data:`RECOMPUTED_FORWARD`) or "full" (every block).
     """
 
     seq_len: int = 4096
@@ -60,7 +88,7 @@ class TrainingSpec:
                 raise PlannerError(f"{name}={getattr(self, name)} must be in [0, 1]")
 
     @property
-    def recomputed_forward(self) -> float:
+    def recompute(self) -> RecomputePolicy:
         return RECOMPUTED_FORWARD[self.activation_checkpointing]
 
     @property
