@@ -58,10 +58,42 @@ def async_runs():
 def tied_runs():
     """A GPT-2-shaped tree (blocks under transformer.layers) with the output head tied to
     the embedding, under the default units, and with units given as a block class."""
-    tree = {"tied": True, "nested": True}
+    tree = {"tied": True, "tree": "hf"}
     configs = _configs(["p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"], 2, microbatches=(3,), mode="told", model_kwargs=tree)
     configs += _configs(["p=2,g=2,os=4"], 2, microbatches=(3,), mode="told", model_kwargs=tree, units="Block")
     return run(train_lins, 4, configs), reference(4, 3, STEPS, model_kwargs=tree)
+
+
+# Model trees whose blocks sit in nested containers (tests/tiny_llama.py's TREES).
+NESTED_TREES = {"nanogpt": {"tied": True, "tree": "nanogpt"}, "lists": {"tree": "lists"}, "dicts": {"tree": "dicts"},
+                "sequential": {"tree": "sequential"}}
+NESTED_TREE_STEPS = 2
+
+
+@pytest.fixture(scope="session")
+def nested_tree_runs():
+    """Each of NESTED_TREES under the default units, every valid plan at world 4 (hpZ
+    included), M = 1, with its single-process reference."""
+    plans = valid_plans(4, 2, with_hpz=True)
+    configs = [{**c, "steps": NESTED_TREE_STEPS, "tree_name": name} for name, kwargs in NESTED_TREES.items()
+               for c in _configs(plans, 2, microbatches=(1,), mode="told", model_kwargs=kwargs)]
+    refs = {name: reference(4, 1, NESTED_TREE_STEPS, model_kwargs=kwargs) for name, kwargs in NESTED_TREES.items()}
+    return run(train_lins, 4, configs), refs
+
+
+PARAM_GROUP_STEPS = 2
+
+
+@pytest.fixture(scope="session")
+def param_group_runs():
+    """lins_optimizer with two param groups of different weight decay, given as the
+    parameters and as their names (alternating), every valid plan at world 4, M = 1; and
+    torch.optim.AdamW in one process with the same groups (True) and with one (False)."""
+    plans = valid_plans(4, 2, with_hpz=True)
+    configs = [{**c, "steps": PARAM_GROUP_STEPS, "param_groups": ("params", "names")[i % 2]}
+               for i, c in enumerate(_configs(plans, 2, microbatches=(1,), mode="told"))]
+    refs = {groups: reference(4, 1, PARAM_GROUP_STEPS, param_groups=groups) for groups in (True, False)}
+    return run(train_lins, 4, configs), refs
 
 
 @pytest.fixture(scope="session")

@@ -122,6 +122,71 @@ def test_tied_embeddings_in_a_nested_tree_train_like_one_process(tied_runs):
         assert all(info["bytes_match"] and info["memory"] == info["memory_expected"] for info in run["per_rank"]), cfg
 
 
+NESTED_TREE_UNITS = {
+    # wte and the head it is tied to go to the root, as in the GPT-2 tree above; the
+    # other roots hold only the frozen positional table, so no root unit.
+    "nanogpt": ["transformer.h.0", "transformer.h.1", "transformer.ln_f", "<root>"],
+    "lists": ["tok_embeddings", "layers.0.0", "layers.1.0", "norm", "output"],
+    "dicts": ["tok_embeddings", "layers.early.0", "layers.late.1", "norm", "output"],
+    "sequential": ["tok_embeddings", "layers.0", "layers.1", "norm", "output"],
+}
+
+
+def test_blocks_in_nested_containers_are_units_and_train_like_one_process(nested_tree_runs):
+    """nanoGPT's ModuleDict holding the block ModuleList (with its tied head), a
+    ModuleList of ModuleLists, a ModuleDict of ModuleDicts and an nn.Sequential of
+    blocks: the default units are one per block wherever the containers nest (a
+    container itself has no forward for FSDP2 to hook), and every plan at world 4
+    trains like one process, with the schedule's bytes and memory on every rank."""
+    runs, refs = nested_tree_runs
+    assert len(runs) == len(NESTED_TREE_UNITS) * len(valid_plans(4, 2, with_hpz=True))
+    for run in runs:
+        cfg = run["config"]
+        tree = cfg["tree_name"]
+        assert run["units"] == NESTED_TREE_UNITS[tree], (tree, run["units"])
+        err = worst_rel_err(run["masters"], refs[tree])
+        assert err < 1e-5, f"{tree} {cfg['plan']}: relative error {err:.2e}"
+        assert all(info["bytes_match"] and info["memory"] == info["memory_expected"] for info in run["per_rank"]), (tree, cfg)
+
+
+def test_default_units_walk_containers_not_layer_stacks():
+    """What counts as a container of blocks: a Sequential of repeated blocks is walked;
+    a Sequential MLP and a block holding its own ModuleList (experts) stay one unit."""
+    from torch import nn
+
+    from lins_dtensor.runtime import default_units
+    from tiny_llama import Block
+
+    class MoEBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    model = nn.Module()
+    model.mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    model.stage = nn.Sequential(Block(6, 2, 8), Block(6, 2, 8), nn.LayerNorm(6))
+    model.moe = nn.ModuleList([MoEBlock(), MoEBlock()])
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [names[id(u)] for u in default_units(model)] == ["mlp", "stage.0", "stage.1", "stage.2", "moe.0", "moe.1"]
+
+
+def test_param_groups_match_torch_adamw_with_the_same_groups(param_group_runs):
+    """Weight decay on the matrices and none on norms and gains (nanoGPT's groups), given
+    to lins_optimizer as torch.optim takes them: every plan at world 4 trains like
+    torch.optim.AdamW with the same groups in one process, and not like one group."""
+    runs, refs = param_group_runs
+    assert len(runs) == len(valid_plans(4, 2, with_hpz=True))
+    assert {run["config"]["param_groups"] for run in runs} == {"params", "names"}
+    for run in runs:
+        cfg = run["config"]
+        err = worst_rel_err(run["masters"], refs[True])
+        assert err < 1e-5, f"{cfg['plan']} groups by {cfg['param_groups']}: relative error {err:.2e}"
+        for name, value in run["params"].items():
+            assert torch.equal(value, run["masters"][name]), f"{cfg}: {name} P != OS master"
+    one_group = worst_rel_err(runs[0]["masters"], refs[False])
+    assert one_group > 1e-4, f"the groups changed nothing ({one_group:.2e} from one group)"
+
+
 def test_replaced_parameters_are_followed(reinit_runs, references):
     """to_empty after a meta-device build, and load_state_dict(assign=True), swap the
     parameter objects (FSDP2's or the model's own); Lins follows them, so training from

@@ -2,8 +2,8 @@
 RMSNorm, output head. The vocabulary (50) does not divide by 4 or 8, the per-head
 gain (3 rows) leaves some shards empty at 4 and 8 ranks, and a frozen positional
 table checks that parameters without gradients stay replicated. ``tied=True`` ties the
-output head to the embedding (GPT-2, Llama 3.2 1B); ``nested=True`` puts embedding,
-blocks and norm under ``transformer`` as Hugging Face trees do (``transformer.h``)."""
+output head to the embedding (GPT-2, Llama 3.2 1B). ``tree`` arranges the same modules
+as the model trees people bring (:data:`TREES`)."""
 
 from __future__ import annotations
 
@@ -64,8 +64,19 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+# Where the embedding, the blocks and the final norm sit:
+TREES = {
+    "flat": "tok_embeddings, layers (ModuleList), norm: torchtitan's LLaMA",
+    "hf": "under transformer, a plain module: Hugging Face's GPT-2 (transformer.h)",
+    "nanogpt": "transformer = ModuleDict(wte, h=ModuleList, ln_f): nanoGPT",
+    "lists": "layers = ModuleList of ModuleLists of blocks",
+    "dicts": "layers = ModuleDict of ModuleDicts of blocks",
+    "sequential": "layers = nn.Sequential of blocks",
+}
+
+
 class Trunk(nn.Module):
-    """Embedding, blocks and final norm, under ``transformer`` (``nested=True``)."""
+    """Embedding, blocks and final norm, under ``transformer`` (``tree="hf"``)."""
 
     def __init__(self, tok_embeddings: nn.Module, layers: nn.ModuleList, norm: nn.Module) -> None:
         super().__init__()
@@ -74,27 +85,53 @@ class Trunk(nn.Module):
 
 class TinyLlama(nn.Module):
     def __init__(self, vocab: int = 50, dim: int = 24, n_heads: int = 3, hidden: int = 40, n_layers: int = 2, seq: int = 8,
-                 tied: bool = False, nested: bool = False) -> None:
+                 tied: bool = False, tree: str = "flat") -> None:
         super().__init__()
         tok_embeddings = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1, requires_grad=False)
-        layers = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
+        blocks = [Block(dim, n_heads, hidden) for _ in range(n_layers)]
         norm = nn.RMSNorm(dim)
-        if nested:
-            self.transformer = Trunk(tok_embeddings, layers, norm)
+        half = n_layers // 2
+        if tree == "hf":
+            self.transformer = Trunk(tok_embeddings, nn.ModuleList(blocks), norm)
+        elif tree == "nanogpt":
+            self.transformer = nn.ModuleDict(dict(wte=tok_embeddings, h=nn.ModuleList(blocks), ln_f=norm))
         else:
+            layers = {
+                "flat": lambda: nn.ModuleList(blocks),
+                "lists": lambda: nn.ModuleList([nn.ModuleList(blocks[:half]), nn.ModuleList(blocks[half:])]),
+                "dicts": lambda: nn.ModuleDict({
+                    "early": nn.ModuleDict({str(i): b for i, b in enumerate(blocks[:half])}),
+                    "late": nn.ModuleDict({str(i): b for i, b in enumerate(blocks[half:], half)}),
+                }),
+                "sequential": lambda: nn.Sequential(*blocks),
+            }[tree]()
             self.tok_embeddings, self.layers, self.norm = tok_embeddings, layers, norm
         self.output = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.output.weight = tok_embeddings.weight
-        self.vocab, self.seq = vocab, seq
+        self.vocab, self.seq, self.tree = vocab, seq, tree
+
+    def _trunk(self) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+        """The embedding, the blocks in order, and the final norm, wherever ``tree`` put them."""
+        if self.tree == "nanogpt":
+            t = self.transformer
+            return t.wte, list(t.h), t.ln_f
+        trunk = self.transformer if self.tree == "hf" else self
+        if self.tree == "lists":
+            blocks = [b for inner in trunk.layers for b in inner]
+        elif self.tree == "dicts":
+            blocks = [b for inner in trunk.layers.values() for b in inner.values()]
+        else:
+            blocks = list(trunk.layers)
+        return trunk.tok_embeddings, blocks, trunk.norm
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        trunk = self.transformer if hasattr(self, "transformer") else self
-        x = trunk.tok_embeddings(tokens) + self.pos[: tokens.shape[1]]
-        for layer in trunk.layers:
-            x = layer(x)
-        return self.output(trunk.norm(x))
+        tok_embeddings, blocks, norm = self._trunk()
+        x = tok_embeddings(tokens) + self.pos[: tokens.shape[1]]
+        for block in blocks:
+            x = block(x)
+        return self.output(norm(x))
 
 
 def tensor_parallelize(model: TinyLlama, tp_mesh: DeviceMesh) -> TinyLlama:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -272,26 +273,41 @@ def wait_for_updates(model: nn.Module) -> None:
 
 # ----- apply ---------------------------------------------------------------------------------------
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """The modules to shard as units, the way FSDP users wrap by block: each block of an
-    ``nn.ModuleList`` / ``nn.ModuleDict`` wherever it sits (torchtitan's ``layers``, a
-    Hugging Face ``transformer.h``), and each other module with parameters on the way
-    down to them (embeddings, final norm, output head). Modules that share a parameter
-    (tied input and output embeddings) are left out: their parameters go to the root
-    unit, which takes whatever no unit holds."""
+    """The modules to shard as units, the way FSDP users wrap by block: each block of a
+    container (:func:`_is_container`) wherever it sits (torchtitan's ``layers``, a
+    Hugging Face ``transformer.h``, nanoGPT's ``transformer.h`` inside its
+    ``transformer`` ModuleDict), containers inside containers walked in turn, and each
+    other module with parameters on the way down to them (embeddings, final norm,
+    output head). A container is never a unit itself: it has no forward for FSDP2 to
+    hook. Modules that share a parameter (tied input and output embeddings) are left
+    out: their parameters go to the root unit, which takes whatever no unit holds."""
     units: list[nn.Module] = []
 
-    def visit(module: nn.Module) -> None:
+    def visit(module: nn.Module, in_container: bool) -> None:
         for child in module.children():
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                units.extend(block for block in child.children() if _has_params(block))
-            elif any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in child.modules()):
-                visit(child)
+            if _is_container(child):
+                visit(child, in_container=True)
+            elif not in_container and any(_is_container(m) for m in child.modules()):
+                visit(child, in_container=False)
             elif _has_params(child):
                 units.append(child)
 
-    visit(model)
+    visit(model, in_container=False)
     tied = {id(m) for pair in _tied_pairs(units) for m in pair}
     return [unit for unit in units if id(unit) not in tied]
+
+
+def _is_container(module: nn.Module) -> bool:
+    """A module that holds blocks rather than being one: an ``nn.ModuleList`` or
+    ``nn.ModuleDict``, or an ``nn.Sequential`` of repeated blocks (two or more children
+    of one class that has submodules itself, as ``nn.Sequential(*blocks)`` or a ResNet
+    stage; an ``nn.Sequential(Linear, GELU, Linear)`` is one layer stack, not blocks)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return True
+    if type(module) is not nn.Sequential:
+        return False
+    classes = Counter(type(child) for child in module.children() if next(child.children(), None) is not None)
+    return any(count >= 2 for count in classes.values())
 
 
 def _has_params(module: nn.Module) -> bool:
