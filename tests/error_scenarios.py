@@ -75,7 +75,26 @@ def misuse_messages() -> dict[str, str]:
     out["other_model_shapes"] = _message(lambda: loaded.load_state_dict(build_model(dim=30).state_dict()))
     partial = {k: v for k, v in build_model().state_dict().items() if not k.startswith("norm.")}
     out["missing_key"] = _message(lambda: loaded.load_state_dict(partial))
+    out.update(_param_group_messages(mesh))
     return out
+
+
+def _param_group_messages(mesh) -> dict[str, str]:
+    """lins_optimizer's param groups: each trainable parameter in exactly one, and the
+    model's parameters as they are after apply_lins (FSDP2 replaces them: p=2 here)."""
+    before = build_model()
+    collected_early = [p for p in before.parameters() if p.requires_grad]
+    model = apply_lins(before, mesh)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def groups(*lists) -> list[dict]:
+        return [{"params": names_, "weight_decay": 0.0} for names_ in lists]
+
+    return {
+        "param_in_no_group": _message(lambda: lins_optimizer(model, torch.optim.AdamW, groups(names[:3], names[4:]))),
+        "param_in_two_groups": _message(lambda: lins_optimizer(model, torch.optim.AdamW, groups(names, ["output.weight"]))),
+        "param_collected_early": _message(lambda: lins_optimizer(model, torch.optim.AdamW, collected_early)),
+    }
 
 
 class _Float8Like(torch.Tensor):

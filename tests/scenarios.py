@@ -35,10 +35,22 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
 
 
-def reference(world_size: int, microbatches: int, steps: int, model_kwargs: dict | None = None, clip: bool = True) -> dict:
-    """Single-process fp32 training on the union of every rank's data."""
+def decay_groups(named_params, by_name: bool = False, weight_decays: tuple[float, float] = (WEIGHT_DECAY, 0.0)) -> list[dict]:
+    """nanoGPT's configure_optimizers: weight decay on the matrices, another (none) on
+    norms and gains; the parameters themselves, or their names."""
+    decay, other = [], []
+    for name, p in named_params:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else other).append(name if by_name else p)
+    return [{"params": decay, "weight_decay": weight_decays[0]}, {"params": other, "weight_decay": weight_decays[1]}]
+
+
+def reference(world_size: int, microbatches: int, steps: int, model_kwargs: dict | None = None, clip: bool = True,
+              param_groups: bool = False) -> dict:
+    """Single-process fp32 training on the union of every rank's data (with
+    ``param_groups``: torch.optim.AdamW on :func:`decay_groups`)."""
     model = build_model(**(model_kwargs or {}))
-    opt = _optimizer([p for p in model.parameters() if p.requires_grad])
+    opt = _optimizer(decay_groups(model.named_parameters()) if param_groups else [p for p in model.parameters() if p.requires_grad])
     for step in range(steps):
         for rank in range(world_size):
             for mb in range(microbatches):
@@ -61,7 +73,8 @@ def _record_key(r):
 
 def train_lins(configs: list[dict]) -> list[dict]:
     """Each config: plan, microbatches, steps, ranks_per_node; optional param_dtype,
-    model_kwargs, clip (default True), max_inflight_bytes, units ("Block": by class), init
+    model_kwargs, clip (default True), max_inflight_bytes, units ("Block": by class), param_groups
+    (:func:`decay_groups` given as "params" or as "names"), init
     ("meta": built on the meta device, to_empty, then loaded; "assign": loaded with
     load_state_dict(assign=True) after apply_lins), tp (tensor-parallel degree: the model
     is parallelised with torchtitan's plan on the Lins mesh's TP dim first, and TP ranks
@@ -89,7 +102,9 @@ def train_lins(configs: list[dict]) -> list[dict]:
             model.to_empty(device="cpu")
         if init is not None:  # the values come from a plain full state dict
             model.load_state_dict(reference.state_dict(), assign=init == "assign")
-        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+        groups = cfg.get("param_groups")  # None, or decay_groups of the "params" or their "names"
+        params = None if groups is None else decay_groups(model.named_parameters(), by_name=groups == "names")
+        opt = lins_optimizer(model, torch.optim.AdamW, params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         mbs, mode, clip = cfg["microbatches"], cfg.get("mode", "explicit"), cfg.get("clip", True)
         reduce_in_backward = cfg.get("reduce_in_backward", False)
         if mode == "told":

@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from checkpoint_scenarios import TP_MODEL, in_one_launch, load_plain_state_dict, save_then_resume
+from checkpoint_scenarios import TP_MODEL, in_one_launch, load_plain_state_dict, save_then_resume, through_torch_state_dict_api
 from distributed import run
 from tiny_llama import build_model
 
@@ -17,6 +17,12 @@ TP_SAVE = ("p=1,g=1,os=2", 2)  # world 4 = 2 nodes x 2 ranks: 2 data-parallel ra
 TP_LOADS = [("p=2,g=2,os=2", 2), ("p=2,g=4,os=4", 1), ("p=1,g=2,os=4", 1), ("fsdp", 2)]
 FSDP_TO_LINS = ("p=2,g=2,os=2", 2)
 PLAIN_LOADS = [(("p=2,g=4,os=4", 1), {}), (("p=2,g=2,os=2", 2), TP_MODEL), (("p=1,g=1,os=2", 2), TP_MODEL)]
+# torch's state-dict API: saved by Lins with two param groups, loaded (layout, how) as
+# through_torch_state_dict_api says; FSDP2's own checkpoint goes back into TORCH_API_BACK.
+TORCH_API_SAVE = ("p=2,g=2,os=4", 1)
+TORCH_API_LOADS = [(("p=1,g=2,os=4", 1), "sharded"), (("p=4,g=4,os=4", 1), "full"),
+                   (("p=1,g=1,os=4", 1), "full state dicts"), (("fsdp", 1), "sharded")]
+TORCH_API_BACK = ("p=2,g=4,os=4", 1)
 TRAINABLE_TP = {n for n, p in build_model(**TP_MODEL).named_parameters() if p.requires_grad}
 
 
@@ -35,6 +41,7 @@ def launched(tmp_path_factory):
         partial(save_then_resume, str(path / "tp"), TP_SAVE, TP_LOADS, model_kwargs=TP_MODEL, data_ranks=2,
                 fsdp_round_trip=FSDP_TO_LINS),
         partial(load_plain_state_dict, PLAIN_LOADS),
+        partial(through_torch_state_dict_api, str(path / "torch_api"), TORCH_API_SAVE, TORCH_API_LOADS, TORCH_API_BACK),
     ])
 
 
@@ -86,3 +93,21 @@ def test_tp_checkpoint_reloads_under_another_plan_tp_degree_and_fsdp2(resumed_tp
 @pytest.mark.parametrize("case", range(len(PLAIN_LOADS)), ids=[str(layout) for layout, _ in PLAIN_LOADS])
 def test_unsharded_state_dict_loads_into_sharded_and_tp_models(launched, case):
     assert launched[2][case], PLAIN_LOADS[case]
+
+
+@pytest.mark.parametrize("case", TORCH_API_LOADS + [(TORCH_API_BACK, "from fsdp")], ids=str)
+def test_torch_state_dict_api_round_trips_lins_with_param_groups(launched, case):
+    """get_state_dict / set_state_dict (sharded, full_state_dict with cpu_offload, and
+    full state dicts on every rank) on a Lins model and lins_optimizer with two param
+    groups, through DCP: under another plan, into plain FSDP2 + torch.optim.AdamW and
+    from FSDP2's checkpoint back into Lins, step 3 matches the uninterrupted run and
+    the groups' weight decays are the checkpoint's, not the fresh optimizer's."""
+    results = launched[3]
+    loss, params, decays = results["uninterrupted"]
+    loss2, params2, decays2 = results[case]
+    assert decays == [0.1, 0.0] and decays2 == decays, (case, decays2)
+    assert params2.keys() == params.keys() and params
+    assert loss2 == pytest.approx(loss, rel=1e-6)
+    for name in params:
+        err = _rel_err(params2[name], params[name])
+        assert err < 1e-5, (case, name, err)

@@ -38,6 +38,10 @@ def messages():
         ("master_dtype", "master_dtype=torch.int32 must be a floating-point torch.dtype or None"),
         ("other_model_shapes", "checkpoint entry 'tok_embeddings.weight' has shape (50, 30), the model's parameter (50, 24)"),
         ("missing_key", "the state dict has no entry 'norm.weight' (strict load)"),
+        ("param_in_no_group", "parameter 'layers.0.attention.wq.weight' is in no optimizer param group"),
+        ("param_in_two_groups", "parameter 'output.weight' is in optimizer param groups 0 and 1: give each parameter one group"),
+        ("param_collected_early", "optimizer param group 0: a tensor of shape (50, 24) is not a trainable parameter of the model "
+                                  "(collected before apply_lins?"),
         ("nonfinite_clip_True", "lins: clip_grad_norm_: the order-2 norm of the gradients is nan, not finite; nothing was clipped"),
     ],
 )

@@ -1,18 +1,25 @@
 """Any ``torch.optim`` optimizer on the fp32 masters, which live on the OS layout.
 
-The optimizer is a plain instance of the user's class over this rank's shards of the
-masters (plain tensors sharing storage with the master DTensors), so its states are
-sharded s_os ways too, and LR schedulers, ``zero_grad`` and torchtitan's container
-treat it as usual. Step hooks do the Lins part: before the step the G buffers are
-reduced into the masters' gradients, after it the new values are all-gathered into
-the parameters. Its state dict is keyed by parameter FQN and holds every state shaped
-like its parameter as a DTensor on the OS layout, so torch.distributed.checkpoint can
-reload it under another plan.
+The optimizer is a plain instance of the user's class. Its param groups hold the
+model's parameters, as torch.optim's do (so that torch.distributed.checkpoint.state_dict
+and users' code find them there); its step updates this rank's shards of their masters
+(plain tensors sharing storage with the master DTensors), so its states are sharded
+s_os ways too, and LR schedulers, ``zero_grad`` and torchtitan's container treat it as
+usual. Step hooks do the Lins part: before the step the G buffers are reduced into the
+masters' gradients and the masters' shards take the parameters' place in the groups,
+after it the parameters are back and the new values are all-gathered into them. Its
+state dict is keyed by parameter FQN and holds every state shaped like its parameter
+as a DTensor on the OS layout, so torch.distributed.checkpoint can reload it under
+another plan; ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` give and take
+the same.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,70 +27,173 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lins_dtensor import collectives
-from lins_dtensor.compat import foreach_mul_
+from lins_dtensor.compat import foreach_mul_, keep_own_state_dict
 from lins_dtensor.plan import LinsPlanError
-from lins_dtensor.runtime import lins_state
+from lins_dtensor.runtime import LinsState, lins_state
 from lins_dtensor.units import local_values
 from lins_dtensor.schedule import GRAD_NORM_ALL_REDUCE
 
+# What lins_optimizer takes as ``params``: torch.optim's forms, with names for parameters.
+ParamsArg = Iterable[torch.Tensor | str] | Iterable[dict[str, Any]]
+
 
 class _StepHooks:
-    """Before the step: G buffers -> master gradients. After: masters -> parameters."""
+    """Before the step: G buffers -> master gradients, and the masters' shards into the
+    param groups in place of the parameters. After: the parameters back, masters -> P.
 
-    def __init__(self, model: nn.Module) -> None:
-        self.state = lins_state(model)
-        self.enabled = True
+    A step whose parameters carry gradients is not a training step: under Lins they
+    never do (their gradients live in G buffers). It is a zero-learning-rate step on
+    zero gradients that creates the optimizer states (torch.distributed.checkpoint's
+    state-dict API, or :func:`_init_state_if_empty`): the masters take zero gradients,
+    and nothing is reduced or gathered."""
+
+    def __init__(self, state: LinsState, optimizer: torch.optim.Optimizer, params: list[list[nn.Parameter]],
+                 masters: list[list[nn.Parameter]]) -> None:
+        self.state = state
+        self.optimizer = weakref.proxy(optimizer)  # the optimizer holds its hooks
+        self.params, self.masters = params, masters
+        self.master_of = {id(p): m for ps, ms in zip(params, masters) for p, m in zip(ps, ms)}
+        self.param_of = {id(m): p for ps, ms in zip(params, masters) for p, m in zip(ps, ms)}
+        self.on_masters = True  # the optimizer is built on them
+        self.initialising = False
+
+    def hold(self, masters: bool) -> None:
+        """Put the masters' shards (or the parameters) in the param groups; the
+        optimizer's states move with them. Loading a state dict holds the masters too:
+        torch casts the loaded states to their parameters' dtype (P may be bf16)."""
+        if self.on_masters == masters:
+            return
+        tensors, counterpart = (self.masters, self.master_of) if masters else (self.params, self.param_of)
+        for group, group_tensors in zip(self.optimizer.param_groups, tensors):
+            group["params"][:] = group_tensors  # in place: code holding the list sees the swap
+        states = self.optimizer.state
+        moved = [(counterpart[id(key)], value) for key, value in states.items()]
+        states.clear()
+        states.update(moved)
+        self.on_masters = masters
 
     def before(self, optimizer, args, kwargs) -> None:
-        if self.enabled:
+        self.initialising = any(p.grad is not None for group in self.params for p in group)
+        self.hold(masters=True)
+        if self.initialising:
+            for group in self.masters:
+                for master in group:
+                    master.grad = torch.zeros_like(master)
+        else:
             self.state.reduce_gradients()
 
     def after(self, optimizer, args, kwargs) -> None:
-        if self.enabled:
+        self.hold(masters=False)
+        if self.initialising:
+            for group in self.masters:
+                for master in group:
+                    master.grad = None
+        else:
             self.state.finish_step()
 
 
-def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
-    """``optimizer_cls(masters, **kwargs)`` wired to the Lins model ``model``."""
+def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], params: ParamsArg | None = None,
+                   **kwargs: Any) -> torch.optim.Optimizer:
+    """``optimizer_cls(params, **kwargs)`` on the masters of the Lins model ``model``.
+
+    ``params`` is what torch.optim takes: the model's parameters, or param groups (dicts
+    whose ``"params"`` list them, with per-group options such as ``weight_decay=0.0``);
+    a parameter may also be given by its name. Default: every trainable parameter, one
+    group. Each trainable parameter must be in exactly one group, since Lins reduces and
+    updates them all; frozen ones are skipped (they have no master). Collect parameters
+    after ``apply_lins``: FSDP2 replaces them (names work either way)."""
     state = lins_state(model)
     masters = state.masters()
-    locals_ = [m for unit in state.units for m in unit.local_masters]
-    optimizer = optimizer_cls(locals_, **kwargs)
-    hooks = _StepHooks(model)
+    groups = _param_groups(model, state, params)
+    locals_by_fqn = {fqn: m for unit in state.units for fqn, m in zip(unit.fqns, unit.local_masters)}
+    params_by_fqn = {fqn: p for unit in state.units for fqn, p in zip(unit.fqns, unit.params)}
+    group_masters = [[locals_by_fqn[fqn] for fqn in fqns] for _, fqns in groups]
+    if params is None:  # exactly what torch.optim makes of a plain list
+        optimizer = optimizer_cls(group_masters[0], **kwargs)
+    else:
+        optimizer = optimizer_cls([{**options, "params": ms} for (options, _), ms in zip(groups, group_masters)], **kwargs)
+    hooks = _StepHooks(state, optimizer, [[params_by_fqn[fqn] for fqn in fqns] for _, fqns in groups], group_masters)
+    hooks.hold(masters=False)
     optimizer.register_step_pre_hook(hooks.before)
     optimizer.register_step_post_hook(hooks.after)
+    fqns = [fqn for _, group_fqns in groups for fqn in group_fqns]
     optimizer._lins_hooks = hooks  # type: ignore[attr-defined]
-    optimizer._lins_fqns = list(masters)  # type: ignore[attr-defined]
-    optimizer._lins_masters = list(masters.values())  # type: ignore[attr-defined]
+    optimizer._lins_fqns = fqns  # type: ignore[attr-defined]
+    optimizer._lins_masters = [masters[fqn] for fqn in fqns]  # type: ignore[attr-defined]
     optimizer.register_state_dict_pre_hook(_init_state_if_empty)
-    optimizer.register_state_dict_post_hook(_keys_to_fqns)
+    optimizer.register_state_dict_post_hook(_states_as_dtensors)
     optimizer.register_load_state_dict_pre_hook(_keys_from_fqns)
+    optimizer.register_load_state_dict_post_hook(lambda opt: hooks.hold(masters=False))
+    # Users' state_dict() is keyed by FQN; torch's state-dict API reads the class's
+    # (parameter ids, which it maps to FQNs through the param groups itself).
+    keep_own_state_dict(optimizer, _state_dict_by_fqn(weakref.ref(optimizer)))
     state.optimizer = optimizer
     return optimizer
+
+
+def _param_groups(model: nn.Module, state: LinsState, params: ParamsArg | None) -> list[tuple[dict[str, Any], list[str]]]:
+    """Each param group's options and the FQNs of its masters, from torch.optim's forms."""
+    fqns = [fqn for unit in state.units for fqn in unit.fqns]
+    if params is None:
+        return [({}, fqns)]
+    entries = [params] if isinstance(params, (torch.Tensor, str)) else list(params)
+    groups = entries if entries and all(isinstance(e, dict) for e in entries) else [{"params": entries}]
+    fqn_of: dict[int | str, str] = {}
+    for unit in state.units:
+        for fqn, param in zip(unit.fqns, unit.params):
+            fqn_of[id(param)] = fqn_of[fqn] = fqn
+    frozen: set[int | str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in fqn_of:
+            fqn_of[name] = fqn_of[id(param)]  # every name of a tied parameter
+        elif not param.requires_grad:
+            frozen.update((name, id(param)))
+    group_of: dict[str, int] = {}
+    out = []
+    for index, group in enumerate(groups):
+        members = group["params"]
+        members = [members] if isinstance(members, (torch.Tensor, str)) else list(members)
+        group_fqns = []
+        for member in members:
+            key = member if isinstance(member, str) else id(member)
+            if key in frozen:
+                continue
+            if key not in fqn_of:
+                what = f"'{member}'" if isinstance(member, str) else f"a tensor of shape {tuple(member.shape)}"
+                raise LinsPlanError(
+                    f"optimizer param group {index}: {what} is not a trainable parameter of the model "
+                    "(collected before apply_lins? FSDP2 replaces them: collect them after, or give their names)"
+                )
+            fqn = fqn_of[key]
+            if fqn in group_of:
+                raise LinsPlanError(f"parameter '{fqn}' is in optimizer param groups {group_of[fqn]} and {index}: give each parameter one group")
+            group_of[fqn] = index
+            group_fqns.append(fqn)
+        out.append(({k: v for k, v in group.items() if k != "params"}, group_fqns))
+    for fqn in fqns:
+        if fqn not in group_of:
+            raise LinsPlanError(f"parameter '{fqn}' is in no optimizer param group: Lins updates every trainable parameter, give it one")
+    return out
 
 
 def _init_state_if_empty(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer states before the first step, so that a fresh optimizer's
     state dict can be loaded into (DCP loads in place): a zero-learning-rate step on
-    zero gradients, as torch.distributed.checkpoint.state_dict does, with the Lins
-    hooks off (no gradients to reduce, no values to spread)."""
+    zero gradients, as torch.distributed.checkpoint.state_dict does (the step hooks
+    run it on the masters, with no reduction or gather)."""
     if optimizer.state:
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     lrs = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer._lins_hooks.enabled = False
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
     try:
         optimizer.step()
     finally:
-        optimizer._lins_hooks.enabled = True
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
-        for p in params:
-            p.grad = None
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _as_dtensor(value, master: DTensor):
@@ -92,14 +202,29 @@ def _as_dtensor(value, master: DTensor):
     return value
 
 
-def _keys_to_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    fqns, masters = optimizer._lins_fqns, optimizer._lins_masters
+def _states_as_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Parameter-shaped states as DTensors on the OS layout, their masters' (the keys
+    stay torch's parameter ids here)."""
+    masters = optimizer._lins_masters
     state_dict["state"] = {
-        fqns[i]: {name: _as_dtensor(value, masters[i]) for name, value in per_param.items()}
+        i: {name: _as_dtensor(value, masters[i]) for name, value in per_param.items()}
         for i, per_param in state_dict["state"].items()
     }
-    for group in state_dict["param_groups"]:
-        group["params"] = [fqns[i] for i in group["params"]]
+    return state_dict
+
+
+def _state_dict_by_fqn(ref: weakref.ref) -> Callable[[], dict]:
+    """``optimizer.state_dict()`` keyed by parameter FQN instead of id."""
+
+    def state_dict() -> dict:
+        optimizer = ref()
+        state_dict = type(optimizer).state_dict(optimizer)
+        fqns = optimizer._lins_fqns
+        state_dict["state"] = {fqns[i]: per_param for i, per_param in state_dict["state"].items()}
+        for group in state_dict["param_groups"]:
+            group["params"] = [fqns[i] for i in group["params"]]
+        return state_dict
+
     return state_dict
 
 
@@ -107,7 +232,9 @@ def _keys_from_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """Back to torch's integer keys. torch pairs saved and current parameters by their
     position in each param group, and the order of a unit's parameters depends on the
     plan (FSDP2's order where P is sharded, the module's where it is replicated), so the
-    groups are matched by the parameters' names and keep the current order."""
+    groups are matched by the parameters' names and keep the current order. The masters
+    hold the groups while torch loads (:meth:`_StepHooks.hold`)."""
+    optimizer._lins_hooks.hold(masters=True)
     fqns = optimizer._lins_fqns
     index = {fqn: i for i, fqn in enumerate(fqns)}
     state_dict = dict(state_dict)
