@@ -7,12 +7,14 @@ path, and rank 0 writes a JSON and a Markdown report.
 ``--device cuda``: every rank on the machine's GPU(s) (rank r on cuda:r % count). The
 ranks talk through gloo with CUDA tensors: NCCL refuses two ranks on one GPU ("Duplicate
 GPU detected"), and torch's threaded test process group runs every collective
-synchronously on the host, so neither would let the side stream run ahead. gloo's
-``work.wait()`` on CUDA tensors blocks the host until its worker thread is done (gloo's
-way, not Lins'; with NCCL it is a stream wait); the host syncs counted here are CUDA
-syncs on the training thread (``torch.cuda.set_sync_debug_mode``). ``torch.cuda._sleep``
-runs before every Lins collective on the side stream and in every block's forward, so
-the host runs ahead of the device and late events are the rule.
+synchronously on the host. What gloo costs the check: its ``work.wait()`` on CUDA
+tensors blocks the host until its worker thread is done (with NCCL it is a stream
+wait), so within a chain the host does not run ahead of the side stream; and its worker
+makes the *default* stream wait for each collective's copy-back, which would order the
+compute stream after every collective whatever Lins does, so training runs on a stream
+of its own here. The host syncs counted are CUDA syncs on the training thread
+(``torch.cuda.set_sync_debug_mode``). ``torch.cuda._sleep`` runs before every Lins
+collective on the side stream and in every block's forward, so kernels finish late.
 
 ``--device fake`` (``gpu_smoke.sh --dry-run``): the same driver on CPU tensors with
 ``tests/fake_device.py`` standing in for streams and events (host syncs counted by the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import sys
@@ -114,6 +117,14 @@ def device_sleeps(device: torch.device, model: torch.nn.Module):
 
 def train_case(case: dict, device: torch.device, fake_device_cls=None) -> dict:
     """Train one case on ``device`` (with the fake device's streams when given)."""
+    if device.type == "cuda":
+        # Not the default stream, which gloo's worker threads make wait (module docstring).
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            return _train_case(case, device, fake_device_cls)
+    return _train_case(case, device, fake_device_cls)
+
+
+def _train_case(case: dict, device: torch.device, fake_device_cls) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh, clip_grad_norm_, lins_optimizer, lins_stats
@@ -127,6 +138,8 @@ def train_case(case: dict, device: torch.device, fake_device_cls=None) -> dict:
     param_dtype = torch.bfloat16 if case.get("bf16") else None
     fake = fake_device_cls() if fake_device_cls is not None else None
     if device.type == "cuda":
+        gc.collect()  # the previous case's model and buffers
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(**case.get("model", {})).to(device)
     mesh = build_lins_mesh(plan, ranks_per_node=RANKS_PER_NODE, device_type=device.type, tp=tp,
@@ -172,6 +185,8 @@ def train_case(case: dict, device: torch.device, fake_device_cls=None) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        # Blocks freed with pending uses on other streams (record_stream) count here only.
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         out["allocated_after_bytes"] = torch.cuda.memory_allocated(device)
     return out
 
@@ -179,7 +194,9 @@ def train_case(case: dict, device: torch.device, fake_device_cls=None) -> dict:
 def compare(case: dict, tested: dict, cpu: dict, exact: bool) -> dict:
     worst = max(((tested["masters"][k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in cpu["masters"].items())
     loss_diff = max(abs(a - b) for a, b in zip(tested["losses"], cpu["losses"]))
-    tolerance = 0.0 if exact else (3e-2 if case.get("bf16") else 1e-4)
+    # GPU against CPU: kernels sum in other orders, and AdamW divides by sqrt(v) + eps,
+    # which amplifies that where gradients are tiny; a missing wait moves far more.
+    tolerance = 0.0 if exact else (3e-2 if case.get("bf16") else 1e-3)
     ok = worst <= tolerance and loss_diff <= max(tolerance, 1e-6 if not exact else 0.0)
     ok &= tested["host_syncs"] in (None, 0)
     return {"masters_max_rel_err": worst, "loss_max_abs_diff": loss_diff, "tolerance": tolerance, "ok": bool(ok)}
@@ -248,14 +265,15 @@ def markdown(report: dict) -> str:
              f"{', CUDA sanitizer' if report.get('sanitizer') else ''})", "",
              f"{report['world']} ranks ({report['ranks_per_node']} per node), {report['steps']} steps x M={report['microbatches']}, "
              "against the same ranks on the CPU path.", "",
-             "| case | plan | result | masters max rel err | host syncs in steps 2-3 | states measured / predicted (B) | peak allocated (B) |",
+             "| case | plan | result | masters max rel err | host syncs in steps 2-3 | states measured / predicted (B) | peak allocated / reserved (B) |",
              "|---|---|---|---|---|---|---|"]
     for c in report["cases"]:
         lines.append(
             f"| {c['case']} | {c['plan']}{' bf16' if c['bf16'] else ''}{' tp2' if c['tp'] > 1 else ''} | "
             f"{'OK' if c['ok'] else 'FAILED ' + (c.get('error') or '')} | {c.get('masters_max_rel_err', '-')} | "
             f"{c.get('host_syncs', '-')}{' at ' + ', '.join(c['sync_sites']) if c.get('sync_sites') else ''} | "
-            f"{c.get('states_measured_bytes', '-')} / {c.get('states_predicted_bytes', '-')} | {c.get('peak_allocated_bytes', '-')} |")
+            f"{c.get('states_measured_bytes', '-')} / {c.get('states_predicted_bytes', '-')} | "
+            f"{c.get('peak_allocated_bytes', '-')} / {c.get('peak_reserved_bytes', '-')} |")
     lines += ["", f"Overall: {'OK' if report['ok'] else 'FAILED'}", ""]
     return "\n".join(lines)
 

@@ -24,7 +24,8 @@ def train_on_fake_device(configs: list[dict]) -> list[dict]:
     """Each config: plan, microbatches, steps, ranks_per_node, optional max_inflight_bytes
     and param_dtype. Trains as a trainer does (Lins told M, clipping) with Lins'
     communication on a :class:`FakeDevice`; returns the masters, the host syncs during
-    training, and whether the chains' bytes held on the device ever exceeded the bound."""
+    training, and any breach of the input rule (inputs held beyond the bound, or dropped
+    before the stream that made them waited for their chain)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
@@ -36,16 +37,21 @@ def train_on_fake_device(configs: list[dict]) -> list[dict]:
             apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=cfg.get("param_dtype"), reduce_dtype=torch.float32),
                        max_inflight_bytes=cfg.get("max_inflight_bytes"))
         executor = lins_state(model).executor
-        over_bound = []
-        enqueue = executor._enqueue
+        violations = []
+        enqueue, release = executor._enqueue, executor._release_inputs
 
-        def checked_enqueue(chain, enqueue=enqueue, executor=executor, over_bound=over_bound):
+        def checked_enqueue(chain, enqueue=enqueue, executor=executor, violations=violations):
             enqueue(chain)
-            held = sum(c.transient_bytes for c in executor.enqueued)
-            if held > max(executor.max_inflight_bytes, chain.transient_bytes):
-                over_bound.append((chain.name, held, executor.max_inflight_bytes))
+            held = sum(c.input_bytes for c in executor.holding)
+            if held > max(executor.max_inflight_bytes, chain.input_bytes):
+                violations.append(f"{chain.name}: {held} input bytes held, bound {executor.max_inflight_bytes}")
 
-        executor._enqueue = checked_enqueue
+        def checked_release(chain, release=release, violations=violations):
+            release(chain)
+            if not chain.input_stream.has_waited_for(chain.end_event):
+                violations.append(f"{chain.name}: inputs dropped before their stream waited for the chain")
+
+        executor._enqueue, executor._release_inputs = checked_enqueue, checked_release
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         mbs = cfg["microbatches"]
         set_gradient_accumulation_steps(model, mbs)
@@ -62,7 +68,7 @@ def train_on_fake_device(configs: list[dict]) -> list[dict]:
             "config": cfg,
             "masters": masters,
             "host_syncs": syncs_in_training,
-            "over_bound": over_bound,
+            "violations": violations,
             "side_streams": len(device.side_streams),
             "timed_states": sorted(comm_time),
         })
@@ -139,3 +145,42 @@ def forward_prefetch(configs: list[dict]) -> list[dict]:
             opt.zero_grad()
         results.append({"config": cfg, "masters": _masters(model)})
     return results
+
+
+def forward_prefetch_on_fake_device(plan_text: str) -> list[str]:
+    """Three steps of the tiny LLaMA with FSDP2 forward prefetch of the next block, Lins'
+    communication on the fake device. Returns every breach of the prefetch rule: when a
+    block's pre-forward has run (FSDP2 has started gathering the next block), FSDP2's
+    all-gather streams for the next block must have waited for its update, and the
+    compute stream must not have (it waits in that block's own pre-forward)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model()
+    device = FakeDevice()
+    with device.installed():
+        apply_lins(model, build_lins_mesh(LinsPlan.parse(plan_text, world), ranks_per_node=2, device_type="cpu"))
+    state = lins_state(model)
+    blocks = list(model.layers)
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
+    unit_of = {id(u.backend.module): u for u in state.units}
+    breaches = []
+
+    def after_pre_forwards(block, args, following):
+        update = unit_of[id(following)].update
+        if update is None:
+            return
+        if (following, update.end_event) not in device.fsdp_waited:
+            breaches.append(f"{unit_of[id(following)].name}: gathered before FSDP2's streams waited for its update")
+        if device.current.has_waited_for(update.end_event):
+            breaches.append(f"{unit_of[id(following)].name}: compute waited for its update before the block that prefetches it")
+
+    for block, following in zip(blocks, blocks[1:]):
+        block.register_forward_pre_hook(lambda m, args, f=following: after_pre_forwards(m, args, f))  # after Lins' and FSDP2's
+    opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    set_gradient_accumulation_steps(model, 2)
+    for step in range(3):
+        for mb in range(2):
+            (loss_fn(model, batch(step, rank, mb)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return breaches

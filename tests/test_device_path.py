@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import STEPS
-from device_scenarios import forward_prefetch, step_writes_after_pending_gathers, train_on_fake_device
+from device_scenarios import forward_prefetch, forward_prefetch_on_fake_device, step_writes_after_pending_gathers, train_on_fake_device
 from distributed import run
 from test_runtime import _key
 
@@ -27,16 +27,16 @@ def device_runs():
 
 def test_the_device_path_gives_the_cpu_path_bits_without_a_host_sync(device_runs, world4_runs):
     """Every chain enqueued whole on the side stream at submission, ordered by events,
-    back-pressure by stream waits: the same collectives in the same order per group as
-    the CPU path, so the same masters bit for bit; and the host never waited for the
-    device while training."""
+    its inputs held until the stream that made them has waited for it: the same
+    collectives in the same order per group as the CPU path, so the same masters bit for
+    bit; and the host never waited for the device while training."""
     at_step = {_key(r["config"]): r for r in world4_runs}
     for result in device_runs:
         cfg = result["config"]
         for name, value in result["masters"].items():
             assert torch.equal(value, at_step[_key(cfg)]["masters"][name]), f"{cfg}: {name}"
         assert result["host_syncs"] == 0, cfg
-        assert result["over_bound"] == [], cfg
+        assert result["violations"] == [], cfg
         assert result["side_streams"] == 1, cfg
         assert "optim" in result["timed_states"], cfg  # lins_stats read the device timings
 
@@ -62,3 +62,12 @@ def test_fsdp2_forward_prefetch_gathers_updated_parameters():
     for without, with_prefetch in zip(runs[::2], runs[1::2]):
         for name, value in without["masters"].items():
             assert torch.equal(with_prefetch["masters"][name], value), f"{with_prefetch['config']}: {name}"
+
+
+def test_on_a_device_fsdp2_prefetch_waits_on_fsdp2s_streams_not_on_compute():
+    """Finding 4 on a device: the next block's update must be visible to FSDP2's
+    all-gather streams when the block before it starts the prefetch, while the compute
+    stream still waits only in that block's own pre-forward (the update gathers keep
+    overlapping the forward)."""
+    for plan in ("p=2,g=2,os=4", "p=2,g=4,os=4"):
+        assert run(forward_prefetch_on_fake_device, 4, plan) == [], plan

@@ -10,6 +10,7 @@ import torch
 from fake_device import FakeDevice
 from lins_dtensor.collectives import CommStream, CommTiming
 from lins_dtensor.executor import Chain, Executor, Request
+from lins_dtensor.stats import LinsStats
 
 
 class FakeFlight:
@@ -150,7 +151,7 @@ class DeviceHarness:
         self.executor = Executor(self.stream, max_inflight_bytes)
         self.log: list[str] = []
 
-    def chain(self, name: str, dims: list[str], nbytes: int = 0) -> Chain:
+    def chain(self, name: str, dims: list[str], input_bytes: int = 0) -> Chain:
         def body():
             self.log.append(f"start:{name}")
             for i, dim in enumerate(dims):
@@ -158,29 +159,34 @@ class DeviceHarness:
                 yield Request(dim, lambda label=label: self.log.append(f"issue:{label}") or DeviceFlight(self.log, label, self.stream))
             self.log.append(f"end:{name}")
 
-        return self.executor.submit(Chain(name, dims, body(), nbytes))
+        inputs = (torch.zeros(input_bytes, dtype=torch.uint8),) if input_bytes else ()
+        return self.executor.submit(Chain(name, dims, body(), 0, inputs=inputs))
 
 
 def test_on_a_device_chains_are_enqueued_whole_and_the_host_never_waits():
     """Finding 1 of the GPU read-through: with chains over the byte bound the host used to
-    defer them until an event query said the device was done, and wait() synchronised."""
+    defer them until an event query said the device was done, and wait() synchronised
+    (checked against the old executor.py: the second chain was not issued at submission)."""
     h = DeviceHarness(max_inflight_bytes=10)
-    first = h.chain("first", ["intra", "inter"], nbytes=8)
-    second = h.chain("second", ["inter"], nbytes=8)  # over the bound with first
-    third = h.chain("third", ["intra"], nbytes=1)
+    first = h.chain("first", ["intra", "inter"], input_bytes=8)
+    second = h.chain("second", ["inter"], input_bytes=8)  # over the bound with first
+    third = h.chain("third", ["intra"], input_bytes=1)
+    update = h.chain("update", ["intra"])  # side-stream buffers only: never makes anyone wait
     # Everything is on the side stream at submission, each group in submission order.
     assert [e for e in h.log if e.startswith("issue:")] == ["issue:first.0@intra", "issue:first.1@inter", "issue:second.0@inter",
-                                                           "issue:third.0@intra"]
-    assert first.done and second.done and third.done and h.executor.chains == []
-    # The bound is kept by the submitter's stream waiting for the oldest chain, not the host.
-    assert h.device.current.has_waited_for(first.end_event)
-    assert h.executor.enqueued == [second, third] and sum(c.transient_bytes for c in h.executor.enqueued) <= 10
+                                                           "issue:third.0@intra", "issue:update.0@intra"]
+    assert all(c.done for c in (first, second, third, update)) and h.executor.chains == []
+    # The bound holds the inputs: first's were released once the stream that made them
+    # had waited for first's end, the host going on; the others are still held.
+    assert first.inputs == () and h.device.current.has_waited_for(first.end_event)
+    assert h.executor.holding == [second, third] and second.inputs and third.inputs
+    assert not h.device.current.has_waited_for(second.end_event)
     # Chains wait for their submitter's stream before their first step.
-    assert all(h.stream.stream.has_waited_for(c.ready_event) for c in (first, second, third))
+    assert all(h.stream.stream.has_waited_for(c.ready_event) for c in (first, second, third, update))
     h.executor.wait(second)
     assert h.device.current.has_waited_for(second.end_event) and not h.device.current.has_waited_for(third.end_event)
     h.executor.wait_all()
-    assert h.device.current.has_waited_for(third.end_event) and h.executor.enqueued == []
+    assert h.device.current.has_waited_for(update.end_event) and h.executor.holding == [] and third.inputs == ()
     assert h.device.host_syncs == 0
     # Ordering-only events carry no timestamp; the collectives' own are timed.
     assert not any(e.timing for c in (first, second, third) for e in (c.ready_event, c.end_event))
@@ -191,7 +197,9 @@ def test_on_a_device_a_timing_is_read_once_all_its_events_completed():
     """Finding 2: lins_stats read the exposed time from the consumer's event after
     synchronising only the collective's end, and torch refuses elapsed_time on an event
     not yet completed; a later wait replaced the consumer's event with one long after the
-    end, so the exposed time read ~0."""
+    end, so the exposed time read ~0 (checked against the old executor.py: the event
+    was replaced). lins_stats(wait=False) must not synchronise: a timing not complete
+    yet counts as unmeasured."""
     h = DeviceHarness()
     chain = h.chain("grads", ["inter"])
     h.executor.wait(chain)  # the consumer needs it: exposed from here to the end
@@ -202,5 +210,8 @@ def test_on_a_device_a_timing_is_read_once_all_its_events_completed():
     timing.start_event.completes_at, first_need.completes_at, timing.end_event.completes_at = 0.0, 4.0, 10.0
     h.device.run(through=timing.end_event.seq)  # the consumer's event (recorded later) is still pending
     assert first_need.time is None
-    assert timing.seconds == pytest.approx(0.010) and timing.exposed == pytest.approx(0.006)
-    assert timing.hidden == pytest.approx(0.004)
+    unwaited = LinsStats("p", [], [timing], {}, blocking=False).comm_time()
+    assert unwaited == {"optim": {"exposed": 0.0, "hidden": 0.0, "unmeasured": 1}} and h.device.host_syncs == 0
+    comm = LinsStats("p", [], [timing], {}).comm_time()
+    assert comm["optim"]["exposed"] == pytest.approx(0.006) and comm["optim"]["hidden"] == pytest.approx(0.004)
+    assert comm["optim"]["unmeasured"] == 0 and timing.seconds == pytest.approx(0.010)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lins_dtensor.compat import AllGather, ReduceScatter, fsdp_wait_all_gather_streams, in_backward
+from lins_dtensor.compat import AllGather, ReduceScatter, all_gather_single, fsdp_wait_all_gather_streams, in_backward, reduce_scatter_single
 from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, PARAM_REGATHER, CollectiveRecord, CollectiveSpec
 
 
@@ -71,20 +71,23 @@ class CommTiming:
         if self.need_event is None:
             self.need_event = event
 
-    def resolve(self) -> None:
-        """Turn device events into seconds. Reading them blocks the host until every
-        event involved has completed (``elapsed_time`` needs both of its events done),
-        so only the accounting calls it (:func:`lins_dtensor.lins_stats`), never the
-        training path."""
+    def resolve(self, block: bool = True) -> bool:
+        """Turn device events into seconds; True once they are known. ``elapsed_time``
+        needs both of its events completed: with ``block`` the host waits for every
+        event involved (only the accounting does, :func:`lins_dtensor.lins_stats`),
+        without it a timing whose events are not all complete stays unknown for now."""
         if self.start_event is None or self.end_event is None:
-            return
-        for event in (self.end_event, self.need_event):
-            if event is not None:
-                event.synchronize()
+            return True  # CPU, or resolved already
+        events = [e for e in (self.start_event, self.end_event, self.need_event) if e is not None]
+        if not block and not all(e.query() for e in events):
+            return False
+        for event in events:
+            event.synchronize()
         self.finished_at = self.started_at + self.start_event.elapsed_time(self.end_event) / 1e3
         if self.need_event is not None:
             self.exposed = max(0.0, self.need_event.elapsed_time(self.end_event) / 1e3)
         self.start_event = self.end_event = self.need_event = None
+        return True
 
 
 class CommRecorder:
@@ -201,6 +204,10 @@ class CommStream:
         """Run what follows on the side stream (nothing to do on CPU)."""
         return self.api.use(self.stream) if self.stream is not None else contextlib.nullcontext()
 
+    def current_stream(self) -> object:
+        """The caller's current stream (None on CPU)."""
+        return None if self.api is None else self.api.current_stream()
+
     def event_on_current(self, timing: bool = False) -> object:
         """An event on the caller's current stream (None on CPU)."""
         return None if self.api is None else self.api.event(self.api.current_stream(), timing)
@@ -215,6 +222,10 @@ class CommStream:
     def current_waits(self, event: object) -> None:
         if self.api is not None and event is not None:
             self.api.current_stream().wait_event(event)
+
+    def stream_waits(self, stream: object, event: object) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
 
     def fsdp_waits(self, module: torch.nn.Module, event: object) -> None:
         """FSDP2's all-gather streams for ``module`` wait for ``event`` (Lins wrote its
@@ -294,12 +305,12 @@ def _start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, gro
 
 def start_all_gather(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, step: int | None = None) -> Flight:
     return _start(recorder, stream, spec, group, output,
-                  lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=True), step)
+                  lambda: all_gather_single(output, input, group=group, async_op=True), step)
 
 
 def start_reduce_scatter(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, step: int | None = None) -> Flight:
     return _start(recorder, stream, spec, group, input,
-                  lambda: dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True), step)
+                  lambda: reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True), step)
 
 
 def start_all_reduce(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, tensor: torch.Tensor, group, step: int | None = None) -> Flight:
@@ -358,7 +369,7 @@ class LinsAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         spec = PARAM_REGATHER if in_backward() else PARAM_ALL_GATHER
-        call = lambda: dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)  # noqa: E731
+        call = lambda: all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)  # noqa: E731
         return _fsdp_call(self.recorder, spec, group, output_tensor, call, async_op)
 
 
@@ -372,5 +383,5 @@ class LinsReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        call = lambda: dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)  # noqa: E731
+        call = lambda: reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)  # noqa: E731
         return _fsdp_call(self.recorder, GRAD_REDUCE_SCATTER, group, input_tensor, call, async_op)

@@ -110,6 +110,15 @@ def fsdp_forward_prefetch_modules(module: nn.Module) -> list[nn.Module]:
     return [m for target in state._states_to_forward_prefetch for m in target._modules]
 
 
+def fsdp_unshard_async_op(module: nn.Module) -> bool:
+    """Whether FSDP2 unshards ``module`` asynchronously, copying in and all-gathering on
+    the caller's current stream instead of its own (``FSDPModule._set_unshard_async_op``).
+
+    Waits for: a public getter (and setter) of FSDP2's asynchronous unshard."""
+    param_group = module._get_fsdp_state()._fsdp_param_group
+    return bool(param_group is not None and param_group.unshard_async_op)
+
+
 def rearm_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
     """Make ``param``'s post-accumulate-grad hooks fire again after its contents were
     swapped in place (``torch.utils.swap_tensors``, which ``Module.to_empty`` / ``_apply``

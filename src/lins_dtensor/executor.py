@@ -19,30 +19,33 @@ own while the model computes:
   accelerator the host never waits for the device: a chain's whole body is enqueued on
   the Lins side stream when it is submitted, each step behind a stream wait for the
   previous collective, so every group sees the chains in submission order as well.
-* **Memory.** A chain holds its transient buffers and its input (the gradient it was
-  handed; :func:`~lins_dtensor.schedule.chain_buffer_bytes` counts both) from its first
-  step until it is done. On CPU chains start in submission order, each only while the
-  bytes held stay within ``max_inflight_bytes`` (the oldest is waited for otherwise);
-  since a chain only ever waits for earlier ones, and every earlier one has started,
-  they cannot wait on each other in a circle. On an accelerator a chain is done on the
-  host at once but holds its bytes until the device has passed its end; the bound is
-  kept by back-pressure, as FSDP2 bounds its reduce-scatters: before a chain is
-  enqueued, the submitter's stream waits for the end of the oldest chains until the
-  rest fit, so the device cannot run the producer further ahead of the side stream
-  than the bound (a stream wait: the host goes on).
+* **Memory.** A chain holds its transient buffers (packed inputs, gathered outputs;
+  :func:`~lins_dtensor.schedule.chain_buffer_bytes` counts them with its input) from
+  its first step until it is done. On CPU chains start in submission order, each only
+  while the bytes held stay within ``max_inflight_bytes`` (the oldest is waited for
+  otherwise); since a chain only ever waits for earlier ones, and every earlier one has
+  started, they cannot wait on each other in a circle. On an accelerator a chain's
+  buffers live on the side stream and are reused in its order, so at most one body's
+  are allocated at a time; what needs a bound is the chain's *input*, made on the
+  submitter's stream (autograd's gradient): the chain keeps a reference to it, and
+  drops it only once that stream has waited for the chain's end (so the stream reuses
+  the memory after the side stream has read it; FSDP2 holds its reduce-scatter inputs
+  the same way). When the inputs held would exceed ``max_inflight_bytes``, the oldest
+  are released that way: the producer waits, the host goes on.
 
 Chain bodies run without autograd (they move data, never compute on it). Stream
 contract (accelerators). A chain's body runs on the side stream
 (:class:`~lins_dtensor.collectives.CommStream`). At submission the submitter's current
 stream is captured in an event (ordering only, no timestamp) that the side stream waits
 on before the body's first step, so the body sees everything the submitter enqueued
-(the gradient, the optimizer update). Tensors the body reads that were allocated on another stream are marked used
-on the side stream (``CommStream.use_on_side``) so that the allocator keeps them until
-the side stream is past them; buffers the body allocates live on the side stream, and
-c10d keeps the ones a collective uses until its work is waited on. A consumer's
-:meth:`Executor.wait` makes its current stream wait for the chain's end event, and a
-consumer that keeps a side-stream buffer (the optimizer's gradients) marks it used on
-its stream.
+(the gradient, the optimizer update). The chain's inputs from the submitter's stream are
+held as above; other tensors the body reads that were allocated on another stream
+(FSDP2's reduced shard, made on FSDP2's own stream) are marked used on the side stream
+(``CommStream.use_on_side``) so that the allocator keeps them until the side stream is
+past them. Buffers the body allocates live on the side stream, and c10d keeps the ones
+a collective uses until its work is waited on. A consumer's :meth:`Executor.wait` makes
+its current stream wait for the chain's end event, and a consumer that keeps a
+side-stream buffer (the optimizer's gradients) marks it used on its stream.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from collections.abc import Callable, Generator, Sequence
 
 import torch
 
-from lins_dtensor.collectives import CommStream, Flight
+from lins_dtensor.collectives import CommStream, CommTiming, Flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,20 +81,25 @@ class _Phase(enum.Enum):
 class Chain:
     """One unit's collectives in sequence. ``dims`` lists the mesh dims of the
     collectives ``body`` will request, in order; ``transient_bytes`` what it allocates
-    and holds until done."""
+    and holds until done; ``inputs`` the tensors it reads that the submitter's stream
+    made (held until that stream no longer needs them kept: see the module docstring)."""
 
-    def __init__(self, name: str, dims: Sequence[str], body: Body, transient_bytes: int) -> None:
+    def __init__(self, name: str, dims: Sequence[str], body: Body, transient_bytes: int,
+                 inputs: Sequence[torch.Tensor] = ()) -> None:
         self.name = name
         self.dims = tuple(dims)
         self.body = body
         self.transient_bytes = transient_bytes
+        self.inputs = tuple(inputs)
+        self.input_bytes = sum(t.numel() * t.element_size() for t in self.inputs)
         self.phase = _Phase.NEW
         self.issued = 0  # collectives started
         self.flight: Flight | None = None
         self.request: Request | None = None
-        self.ready_event = None  # the submitter's stream at submission (accelerators)
-        self.end_event = None  # the side stream after the body's last step (accelerators)
-        self.timings: list = []
+        self.ready_event: object = None  # the submitter's stream at submission (accelerators)
+        self.input_stream: object = None  # ... and that stream itself, which made the inputs
+        self.end_event: object = None  # the side stream after the body's last step (accelerators)
+        self.timings: list[CommTiming] = []
 
     @property
     def done(self) -> bool:
@@ -108,9 +116,11 @@ class Executor:
         self.stream = stream
         self.max_inflight_bytes = max_inflight_bytes
         self.chains: list[Chain] = []  # CPU: not done
-        # Accelerators: enqueued (done on the host), their bytes held until the device
-        # has passed their end; in submission order, the oldest first.
-        self.enqueued: list[Chain] = []
+        # Accelerators: chains enqueued (done on the host) that still hold their inputs,
+        # the oldest first; and the end of the last chain enqueued (the side stream runs
+        # them in order, so waiting for it waits for all).
+        self.holding: list[Chain] = []
+        self.last_end: object = None
 
     # ----- submitting and advancing --------------------------------------------------
     def submit(self, chain: Chain) -> Chain:
@@ -123,19 +133,29 @@ class Executor:
         return chain
 
     def _enqueue(self, chain: Chain) -> None:
-        """Accelerators: enqueue the whole chain on the side stream now, after the
-        submitter's stream has waited for enough older chains that the bytes held stay
-        within the bound (the device, not the host, waits)."""
-        held = sum(c.transient_bytes for c in self.enqueued)
-        while self.enqueued and held + chain.transient_bytes > self.max_inflight_bytes:
-            oldest = self.enqueued.pop(0)
-            self.stream.current_waits(oldest.end_event)
-            held -= oldest.transient_bytes
+        """Accelerators: enqueue the whole chain on the side stream now. Its inputs stay
+        held; the oldest chains' inputs are released first where the bound requires."""
+        held = sum(c.input_bytes for c in self.holding)
+        while self.holding and held + chain.input_bytes > self.max_inflight_bytes:
+            oldest = self.holding.pop(0)
+            held -= oldest.input_bytes
+            self._release_inputs(oldest)
+        chain.input_stream = self.stream.current_stream()
         self._resume(chain)
         while not chain.done:
             self._issue(chain)
             self._resume(chain)
-        self.enqueued.append(chain)
+        self.last_end = chain.end_event
+        if chain.inputs:
+            self.holding.append(chain)
+
+    def _release_inputs(self, chain: Chain) -> None:
+        """Accelerators: the stream that made the chain's inputs waits for the chain's
+        end, then they are dropped: that stream reuses their memory only after the side
+        stream has read them."""
+        if chain.inputs:
+            self.stream.stream_waits(chain.input_stream, chain.end_event)
+            chain.inputs = ()
 
     def pump(self) -> None:
         """Advance every chain as far as it can go without blocking (CPU; on an
@@ -192,6 +212,8 @@ class Executor:
                 self.stream.side_waits(chain.ready_event)
             try:
                 request = next(chain.body)
+                if not self.stream.on_device:
+                    chain.inputs = ()  # the body's first step copied them (packed) on the host
             except StopIteration:
                 chain.phase = _Phase.DONE
                 chain.end_event = self.stream.event_on_side()
@@ -209,7 +231,7 @@ class Executor:
         if chain is None:
             return
         if self.stream.on_device:
-            if chain.timings:
+            if chain.timings and chain.timings[-1].need_event is None:
                 chain.timings[-1].needed_at(self.stream.event_on_current(timing=True))
             self.stream.current_waits(chain.end_event)
             return
@@ -219,13 +241,20 @@ class Executor:
                 break
             self._block_on_oldest(chain)
 
+    def release_inputs(self) -> None:
+        """Accelerators: release every chain's inputs (the step does, once it has waited
+        for the reductions, so nothing is held through the next forward)."""
+        for chain in self.holding:
+            self._release_inputs(chain)
+        self.holding.clear()
+
     def wait_all(self) -> None:
-        """Everything submitted so far is done (CPU) or waited for by the caller's stream."""
+        """Everything submitted so far is done (CPU) or waited for by the caller's
+        stream, and no chain holds inputs any more."""
         for chain in list(self.chains):
             self.wait(chain)
-        if self.enqueued:
-            self.stream.current_waits(self.enqueued[-1].end_event)  # the side stream runs them in order
-            self.enqueued.clear()
+        self.stream.current_waits(self.last_end)
+        self.release_inputs()
 
     def _block_on_oldest(self, chain: Chain) -> None:
         """Block on the first collective in flight up to ``chain``: the one that must

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -95,11 +95,11 @@ class LinsState:
         return [UnitSchedule(unit.geometry, unit.is_root) for unit in self.units]
 
     # ----- backward: gradients in, reductions out ---------------------------------------
-    def on_gradient(self, unit: LinsUnit, rows: list[torch.Tensor], keep) -> None:
+    def on_gradient(self, unit: LinsUnit, rows: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
         """A unit's backend hands over one backward pass's P-sharded gradient."""
         if not self.in_backward:
             self._begin_backward()
-        unit.accumulate(rows, self.sync, keep)
+        unit.accumulate(rows, self.sync, inputs)
         self.executor.pump()
 
     def _begin_backward(self) -> None:
@@ -145,6 +145,7 @@ class LinsState:
             unit.start_reduction()
         for unit in self.units:
             unit.finalize_grads()
+        self.executor.release_inputs()
 
     @torch.no_grad()
     def finish_step(self) -> None:
@@ -185,13 +186,13 @@ class LinsState:
         # listed units from this unit's pre-forward, which runs after this hook: their
         # parameters must hold the update by then.
         for target in self._forward_prefetch_targets(unit):
-            target.wait_update()
+            target.before_prefetch()
         self.executor.pump()
 
     def _forward_prefetch_targets(self, unit: LinsUnit) -> list[LinsUnit]:
         if not isinstance(unit.backend, ShardedParams):
             return []
-        by_module = {id(u.backend.module): u for u in self.units}
+        by_module = {id(u.backend.module): u for u in self.units if isinstance(u.backend, ShardedParams)}
         return [by_module[id(m)] for m in fsdp_forward_prefetch_modules(unit.backend.module) if id(m) in by_module]
 
     def after_root_forward(self) -> None:
@@ -262,7 +263,8 @@ def set_reduce_in_backward(model: nn.Module, enabled: bool) -> None:
 
 
 def wait_for_updates(model: nn.Module) -> None:
-    """Block until the model's parameters hold the last optimizer step's values.
+    """Wait until the model's parameters hold the last optimizer step's values (the host
+    waits on CPU; on an accelerator the caller's stream does, and the host goes on).
 
     Lins spreads the updated values to the parameters asynchronously after
     ``optimizer.step()``; each unit's forward waits for its own, so training needs no
@@ -475,7 +477,7 @@ def apply_lins(
             [slices[n] for n in unit_names],
         )
         unit.make_masters()
-        backend.attach(ctx, lambda rows, keep, u=unit: state.on_gradient(u, rows, keep), unit.geometry)
+        backend.attach(ctx, lambda rows, inputs, u=unit: state.on_gradient(u, rows, inputs), unit.geometry)
         module.register_forward_pre_hook(lambda m, args, u=unit: state.before_unit_forward(u), prepend=True)
         if isinstance(backend, ShardedParams):
             _gather_updated_on_unshard(module, unit)
@@ -511,10 +513,12 @@ def _make_backend(
 
 def _gather_updated_on_unshard(module: FSDPModule, unit: LinsUnit) -> None:
     """A user's explicit ``module.unshard()`` (prefetching by hand ahead of forward) would
-    gather P as it stands: it first waits for the unit's update, as its forward does."""
+    gather P as it stands: it first waits for the unit's update, as its forward does
+    (outside forward FSDP2 copies in on the caller's stream, which that wait covers, and
+    the unit's all-gather streams are made to wait too)."""
     unshard = module.unshard
 
-    def unshard_updated(async_op: bool = False):
+    def unshard_updated(async_op: bool = False) -> object:
         unit.wait_update()
         return unshard(async_op=async_op)
 

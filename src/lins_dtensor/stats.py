@@ -19,6 +19,9 @@ class LinsStats:
     collectives: list[CollectiveRecord]  # one finished optimizer step (lins_stats), on this rank
     timings: list[CommTiming]  # one per record, same order
     memory_bytes: dict[str, int]  # persistent bytes per state on this rank
+    # Whether reading device timings may block the host until their events complete
+    # (lins_stats(wait=True)); else timings not yet complete count as unmeasured.
+    blocking: bool = True
 
     def bytes_by(self, state: str | None = None, op: str | None = None, link: str | None = None, wire: bool = False) -> float:
         """Sum of message (or ring wire) bytes over the records matching the filters."""
@@ -36,6 +39,9 @@ class LinsStats:
         out: dict[str, dict[str, float]] = {}
         for timing in self.timings:
             entry = out.setdefault(timing.state, {"exposed": 0.0, "hidden": 0.0, "unmeasured": 0})
+            if not timing.resolve(block=self.blocking):
+                entry["unmeasured"] += 1
+                continue
             exposed, hidden = timing.exposed, timing.hidden
             if exposed is None or hidden is None:
                 entry["unmeasured"] += 1
@@ -67,15 +73,17 @@ def lins_stats(model: nn.Module, *, wait: bool = True) -> LinsStats:
     """The statistics of the last optimizer step whose collectives have all finished.
 
     ``wait=True`` first waits for the last step's update gathers (still in flight until
-    the next forward needs them), so the answer is the last step. ``wait=False`` never
-    blocks: while they are in flight it answers for the step before, which a metrics
-    logger should use so that logging does not take the gathers' overlap with the next
+    the next forward needs them), so the answer is the last step, and on an accelerator
+    reading its collectives' times waits for their events. ``wait=False`` never blocks:
+    while the gathers are in flight it answers for the step before, and a collective
+    whose device events have not all completed counts as unmeasured; a metrics logger
+    should use it so that logging does not take the gathers' overlap with the next
     forward away (the torchtitan integration does)."""
     state = lins_state(model)
     if wait:
         state.wait_for_updates()
     records, timings = state.recorder.ended(2 if state.updates_in_flight() else 1)
-    return LinsStats(str(state.plan), list(records), list(timings), memory_bytes(model))
+    return LinsStats(str(state.plan), list(records), list(timings), memory_bytes(model), blocking=wait)
 
 
 def memory_bytes(model: nn.Module) -> dict[str, int]:

@@ -56,6 +56,8 @@ from lins_dtensor.compat import (
     rearm_post_accumulate_grad_hooks,
     foreach_add_,
     foreach_copy_,
+    fsdp_reduce_scatter_unused_params,
+    fsdp_unshard_async_op,
     map_floating_tensors,
 )
 from lins_dtensor.executor import Body, Chain, Executor, Request
@@ -79,7 +81,9 @@ from lins_dtensor.schedule import (
     chain_buffer_bytes,
 )
 
-# Called with a unit's P-sharded gradient rows and the tensors that keep them alive.
+# Called with a unit's P-sharded gradient rows and the tensors they live in when the
+# caller's current stream made those (autograd's gradients; a chain holds them: see
+# lins_dtensor.executor), else nothing (the backend marked them for the side stream).
 GradientSink = Callable[[list[torch.Tensor], Sequence[torch.Tensor]], None]
 
 
@@ -167,19 +171,22 @@ class ShardedParams:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
         # Every parameter's gradient in every reduce, so the buffer layout is fixed.
-        module.set_reduce_scatter_unused_params(True, recurse=False)
+        fsdp_reduce_scatter_unused_params(module)
 
         def on_reduced(reduce_output: torch.Tensor) -> None:
             # FSDP2 runs this on its all-reduce stream with the P-sharded gradient it
             # allocated on its reduce-scatter stream. It would keep that buffer alive
-            # through the parameters' .grad views, which Lins drops: mark it used here.
+            # through the parameters' .grad views, which Lins drops: mark it used here
+            # and on the side stream (its stream is FSDP2's, so no Lins stream can be
+            # made to wait before it is reused, as for autograd's gradients).
             if reduce_output.numel() != geometry.params.chunk_numel:
                 raise RuntimeError(
                     f"Lins expected a {geometry.params.chunk_numel}-element gradient shard from FSDP2, got "
                     f"{reduce_output.numel()}; are some parameters unused without set_reduce_scatter_unused_params?"
                 )
             ctx.stream.use_on_current(reduce_output)
-            sink(geometry.params.views(reduce_output, geometry.param_index), (reduce_output,))
+            ctx.stream.use_on_side(reduce_output)
+            sink(geometry.params.views(reduce_output, geometry.param_index), ())
 
         module.set_all_reduce_hook(on_reduced)
         for param in self.params:
@@ -194,6 +201,11 @@ class ShardedParams:
     def before_forward(self, updated: object) -> None:
         """FSDP2's all-gather streams must see the update Lins wrote (accelerators)."""
         self._stream.fsdp_waits(self.module, updated)
+
+    def gathers_on_current_stream(self) -> bool:
+        """Whether FSDP2 copies in and all-gathers on the caller's stream (its
+        asynchronous unshard) rather than on its own streams."""
+        return fsdp_unshard_async_op(self.module)
 
     def end_backward(self) -> None:
         """FSDP2 reduces every unit whose forward ran; nothing is left over."""
@@ -368,9 +380,10 @@ class LinsUnit:
 
     # ----- every micro-batch: P-sharded gradient -> G buffer (-> OS layout) ----------------
     @torch.no_grad()
-    def accumulate(self, p_rows: list[torch.Tensor], sync: bool, keep: Sequence[torch.Tensor] = ()) -> None:
+    def accumulate(self, p_rows: list[torch.Tensor], sync: bool, inputs: Sequence[torch.Tensor] = ()) -> None:
         """Add one micro-batch's gradient (this rank's P rows, any float dtype) into the
-        G buffer; with ``sync`` (the step's last micro-batch) go on to the OS layout."""
+        G buffer; with ``sync`` (the step's last micro-batch) go on to the OS layout.
+        ``inputs``: what the rows live in, if the current stream made it (GradientSink)."""
         ctx, g = self.ctx, self.geometry
         ctx.executor.wait(self.chain)
         if self.os_grad_is_g:
@@ -384,15 +397,15 @@ class LinsUnit:
             if sync:
                 self.start_reduction()
             return
-        ctx.stream.use_on_side(*keep)
         dims = (GRAD_SHARD, *self._reduction_dims()) if sync else (GRAD_SHARD,)
         held = self.buffer_bytes["grads"] + (self.buffer_bytes["optim"] if sync else 0)
-        self.chain = ctx.executor.submit(Chain(f"{self.name}:grads", dims, self._grad_body(p_rows, keep, sync, ctx.recorder.step), held))
+        body = self._grad_body(p_rows, sync, ctx.recorder.step)
+        self.chain = ctx.executor.submit(Chain(f"{self.name}:grads", dims, body, held, inputs=inputs))
 
-    def _grad_body(self, p_rows: list[torch.Tensor], keep: Sequence[torch.Tensor], sync: bool, step: int) -> Body:
+    def _grad_body(self, p_rows: list[torch.Tensor], sync: bool, step: int) -> Body:
         ctx, g = self.ctx, self.geometry
         packed = g.grads.pack(p_rows, ctx.empty(g.grads.total_numel))
-        del p_rows, keep
+        del p_rows  # the chain holds what they live in until its input stream may reuse it
         first = not self.g_has_data
         out = self.grad_buffer if first else ctx.empty(g.grads.chunk_numel)
         self.g_has_data = True
@@ -521,6 +534,19 @@ class LinsUnit:
             self.ctx.executor.wait(self.update)
             self.backend.before_forward(self.update.end_event)
             self.update = None
+
+    def before_prefetch(self) -> None:
+        """FSDP2 is about to gather P from another unit's pre-forward (forward prefetch).
+        On an accelerator only the streams that gather wait for the update (FSDP2's
+        all-gather streams, or the current stream when it gathers asynchronously on it);
+        the update stays pending, so this unit's own forward still makes its compute wait
+        there, not earlier. On CPU the host waits."""
+        if self.update is None:
+            return
+        if self.ctx.stream.on_device and not self.backend.gathers_on_current_stream():
+            self.backend.before_forward(self.update.end_event)
+        else:
+            self.wait_update()
 
     # ----- masters ----------------------------------------------------------------------------------
     @torch.no_grad()
