@@ -123,6 +123,17 @@ def step_writes_after_pending_gathers(plan_text: str) -> list[tuple[str, bool]]:
     return hazards
 
 
+def _train_prefetching(model: nn.Module, rank: int) -> None:
+    """Three AdamW steps of M = 2, Lins told M (updates gathered into the next forward)."""
+    opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    set_gradient_accumulation_steps(model, 2)
+    for step in range(3):
+        for mb in range(2):
+            (loss_fn(model, batch(step, rank, mb)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def forward_prefetch(configs: list[dict]) -> list[dict]:
     """Each config: plan, prefetch (bool), max_inflight_bytes. Trains the tiny LLaMA with
     FSDP2 forward prefetch of the next block from each block (as torchtitan can set it)."""
@@ -136,13 +147,7 @@ def forward_prefetch(configs: list[dict]) -> list[dict]:
             blocks = list(model.layers)
             for block, following in zip(blocks, blocks[1:]):
                 block.set_modules_to_forward_prefetch([following])
-        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-        set_gradient_accumulation_steps(model, 2)
-        for step in range(3):
-            for mb in range(2):
-                (loss_fn(model, batch(step, rank, mb)) / 2).backward()
-            opt.step()
-            opt.zero_grad()
+        _train_prefetching(model, rank)
         results.append({"config": cfg, "masters": _masters(model)})
     return results
 
@@ -176,11 +181,5 @@ def forward_prefetch_on_fake_device(plan_text: str) -> list[str]:
 
     for block, following in zip(blocks, blocks[1:]):
         block.register_forward_pre_hook(lambda m, args, f=following: after_pre_forwards(m, args, f))  # after Lins' and FSDP2's
-    opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-    set_gradient_accumulation_steps(model, 2)
-    for step in range(3):
-        for mb in range(2):
-            (loss_fn(model, batch(step, rank, mb)) / 2).backward()
-        opt.step()
-        opt.zero_grad()
+    _train_prefetching(model, rank)
     return breaches
