@@ -41,11 +41,11 @@ class _StepHooks:
     """Before the step: G buffers -> master gradients, and the masters' shards into the
     param groups in place of the parameters. After: the parameters back, masters -> P.
 
-    A step whose parameters carry gradients is not a training step: under Lins they
-    never do (their gradients live in G buffers). It is a zero-learning-rate step on
-    zero gradients that creates the optimizer states (torch.distributed.checkpoint's
-    state-dict API, or :func:`_init_state_if_empty`): the masters take zero gradients,
-    and nothing is reduced or gathered."""
+    Two steps only create the optimizer's states, with a zero learning rate on zero
+    gradients: :func:`_init_state_if_empty`'s (the hooks disabled: nothing reduced or
+    gathered), and torch.distributed.checkpoint.state_dict's before the first step,
+    which puts zeros in the parameters' ``.grad`` while Lins has received no gradient.
+    The masters take zero gradients for them, as the parameters would."""
 
     def __init__(self, state: LinsState, optimizer: torch.optim.Optimizer, params: list[list[nn.Parameter]],
                  masters: list[list[nn.Parameter]]) -> None:
@@ -55,7 +55,8 @@ class _StepHooks:
         self.master_of = {id(p): m for ps, ms in zip(params, masters) for p, m in zip(ps, ms)}
         self.param_of = {id(m): p for ps, ms in zip(params, masters) for p, m in zip(ps, ms)}
         self.on_masters = True  # the optimizer is built on them
-        self.initialising = False
+        self.enabled = True
+        self.zero_grads: list[nn.Parameter] = []
 
     def hold(self, masters: bool) -> None:
         """Put the masters' shards (or the parameters) in the param groups; the
@@ -73,22 +74,24 @@ class _StepHooks:
         self.on_masters = masters
 
     def before(self, optimizer, args, kwargs) -> None:
-        self.initialising = any(p.grad is not None for group in self.params for p in group)
-        self.hold(masters=True)
-        if self.initialising:
-            for group in self.masters:
-                for master in group:
-                    master.grad = torch.zeros_like(master)
-        else:
+        if self.enabled:
             self.state.reduce_gradients()
+        self.hold(masters=True)
+        masters = [m for group in self.masters for m in group]
+        if not self.enabled or self._torch_creates_states(masters):
+            for master in masters:
+                master.grad = torch.zeros_like(master)
+            self.zero_grads = masters
+
+    def _torch_creates_states(self, masters: list[nn.Parameter]) -> bool:
+        return all(m.grad is None for m in masters) and any(p.grad is not None for group in self.params for p in group)
 
     def after(self, optimizer, args, kwargs) -> None:
         self.hold(masters=False)
-        if self.initialising:
-            for group in self.masters:
-                for master in group:
-                    master.grad = None
-        else:
+        for master in self.zero_grads:
+            master.grad = None
+        self.zero_grads = []
+        if self.enabled:
             self.state.finish_step()
 
 
@@ -120,7 +123,7 @@ def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
     optimizer._lins_hooks = hooks  # type: ignore[attr-defined]
     optimizer._lins_fqns = fqns  # type: ignore[attr-defined]
     optimizer._lins_masters = [masters[fqn] for fqn in fqns]  # type: ignore[attr-defined]
-    optimizer.register_state_dict_pre_hook(_init_state_if_empty)
+    optimizer.register_state_dict_pre_hook(_before_state_dict)
     optimizer.register_state_dict_post_hook(_states_as_dtensors)
     optimizer.register_load_state_dict_pre_hook(_keys_from_fqns)
     optimizer.register_load_state_dict_post_hook(lambda opt: hooks.hold(masters=False))
@@ -176,24 +179,32 @@ def _param_groups(model: nn.Module, state: LinsState, params: ParamsArg | None) 
     return out
 
 
+def _before_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    """Wait for the update gathers in flight, as ``model.state_dict()`` does: they run
+    on the mesh's groups, which the DTensor states' own collectives (``full_tensor`` for
+    a full state dict) use too, in whatever order each rank reaches them. Then create
+    the states if there are none yet."""
+    optimizer._lins_hooks.state.wait_for_updates()
+    _init_state_if_empty(optimizer)
+
+
 def _init_state_if_empty(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer states before the first step, so that a fresh optimizer's
     state dict can be loaded into (DCP loads in place): a zero-learning-rate step on
-    zero gradients, as torch.distributed.checkpoint.state_dict does (the step hooks
-    run it on the masters, with no reduction or gather)."""
+    zero gradients, as torch.distributed.checkpoint.state_dict does, with the Lins
+    hooks off (gradients received so far stay for the real step, no values to spread)."""
     if optimizer.state:
         return
     lrs = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
+    optimizer._lins_hooks.enabled = False
     try:
         optimizer.step()
     finally:
+        optimizer._lins_hooks.enabled = True
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
 
 
 def _as_dtensor(value, master: DTensor):
@@ -216,16 +227,16 @@ def _states_as_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> d
 def _state_dict_by_fqn(ref: weakref.ref) -> Callable[[], dict]:
     """``optimizer.state_dict()`` keyed by parameter FQN instead of id."""
 
-    def state_dict() -> dict:
+    def state_dict_by_fqn() -> dict:
         optimizer = ref()
-        state_dict = type(optimizer).state_dict(optimizer)
+        by_id = type(optimizer).state_dict(optimizer)
         fqns = optimizer._lins_fqns
-        state_dict["state"] = {fqns[i]: per_param for i, per_param in state_dict["state"].items()}
-        for group in state_dict["param_groups"]:
+        by_id["state"] = {fqns[i]: per_param for i, per_param in by_id["state"].items()}
+        for group in by_id["param_groups"]:
             group["params"] = [fqns[i] for i in group["params"]]
-        return state_dict
+        return by_id
 
-    return state_dict
+    return state_dict_by_fqn
 
 
 def _keys_from_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
