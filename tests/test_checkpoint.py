@@ -1,5 +1,6 @@
 """Checkpoints: DCP round trip and reload under another plan give identical next steps;
-with tensor parallelism, under another plan, another tp degree and plain FSDP2 + TP."""
+with tensor parallelism, under another plan, another tp degree and plain FSDP2 + TP;
+through torch's state-dict API with param groups, under another plan and FSDP2 and back."""
 
 from __future__ import annotations
 
