@@ -31,10 +31,11 @@ def main() -> None:
         training = TrainingSpec(seq_len=4096, micro_batch=1, global_batch_tokens=4 << 20, **extra)
         plan, ex = choose_plan("llama_7b", ClusterSpec.preset("a800", gpus, 8), training)
         series.setdefault("Lins-auto", []).append((gpus, ex.cost.mfu, ex.cost.step_s))
-        print(f"{gpus:5d} GPUs  Lins-auto {str(plan):<28} MFU {ex.cost.mfu:6.1%}  step {ex.cost.step_s:7.3f} s")
-        for b in ex.baselines:
-            if b.cost is not None and b.cost.fits:
-                series.setdefault(b.name.replace(" k=8", ""), []).append((gpus, b.cost.mfu, b.cost.step_s))
+        fitting = [b for b in ex.baselines if b.cost is not None and b.cost.fits]
+        for b in fitting:
+            series.setdefault(b.name.replace(" k=8", ""), []).append((gpus, b.cost.mfu, b.cost.step_s))
+        print(f"{gpus:5d} GPUs  Lins-auto {str(plan):<28} MFU {ex.cost.mfu:6.1%}  step {ex.cost.step_s:7.3f} s  |  "
+              + ", ".join(f"{b.name} {b.cost.mfu:.1%}" for b in fitting))
     fig, (ax_mfu, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, points in series.items():
         xs = [p[0] for p in points]

@@ -34,11 +34,13 @@ from lins_dtensor.planner import (
 )
 from lins_dtensor.planner.bandwidth import CollectiveTimer, alpha_beta_seconds
 from lins_dtensor.planner.cli import main, model_arg, plan_parser
-from lins_dtensor.planner.compute import ComputeTerm, model_flops_per_token
+from lins_dtensor.planner.compute import ComputeTerm, attention, gemm, model_flops_per_token
 from lins_dtensor.planner.cost import PlanCost
-from lins_dtensor.planner.hardware import hardware_preset
+from lins_dtensor.planner.hardware import hardware_preset, load_hardware
 from lins_dtensor.planner.models import model_from_text, tensor_parallel_local
-from lins_dtensor.planner.profile import message_sizes, needed_shapes, parse_size, shape_groups
+from lins_dtensor.planner.profile import (
+    GPU_SHAPES, AttentionTiming, GemmTiming, KernelShapes, fit_compute_curve, message_sizes, needed_shapes, parse_size, shape_groups,
+)
 from lins_dtensor.planner.report import FORMAT
 from lins_dtensor.planner.sweep import plot_sweep
 from lins_dtensor.schedule import Op, UnitGeometry, UnitSchedule, state_memory_bytes, step_collectives
@@ -506,6 +508,54 @@ def test_profiler_under_spawn_feeds_the_planner(tmp_path):
     _, ex = choose_plan("debugmodel", cluster, TrainingSpec(seq_len=64))
     assert ex.table_fallbacks == []
     assert main(["--model", "debugmodel", "--gpus", "2", "--gpus-per-node", "1", "--hardware", "cpu-emulated", "--seq-len", "64", "--bandwidth", out]) == 0
+
+
+
+def _kernel_timings(hw, shapes: KernelShapes, element_bytes: int) -> tuple[list[GemmTiming], list[AttentionTiming]]:
+    """What ``hw``'s curve says each profiled kernel takes at kernel rates (efficiency 1)."""
+    rates = dataclasses.replace(hw, efficiency=1.0)
+    gemms = [GemmTiming(m, n, k, gemm(rates, m, n, k, element_bytes).seconds) for m, n, k in shapes.gemms]
+    attentions = []
+    for seq in shapes.seq_lens:
+        batch = shapes.tokens // seq
+        forward = attention(rates, batch, shapes.heads, seq, shapes.head_dim).seconds
+        attentions.append(AttentionTiming(batch, shapes.heads, seq, shapes.head_dim, forward, rates.attention_backward_ratio * forward))
+    return gemms, attentions
+
+
+def test_compute_profile_fit_recovers_a_known_curve():
+    preset = hardware_preset("h100-sxm")
+    device = dataclasses.replace(preset, gemm_efficiency=0.62, attention_efficiency=0.41, attention_half_seq=700.0, attention_backward_ratio=2.9)
+    fitted = fit_compute_curve(preset, *_kernel_timings(device, GPU_SHAPES, 2), element_bytes=2)
+    assert fitted.name == "h100-sxm (profiled)" and fitted.efficiency == preset.efficiency and fitted.peak_flops == preset.peak_flops
+    for field in ("gemm_efficiency", "attention_efficiency", "attention_half_seq", "attention_backward_ratio"):
+        assert getattr(fitted, field) == pytest.approx(getattr(device, field), rel=1e-3), field
+    # A device faster than the preset's peak: the peak rises to its fastest ceiling, the
+    # shares stay <= 1 and every kernel's predicted time is the measured one.
+    slow_peak = dataclasses.replace(preset, peak_flops=preset.peak_flops / 2)
+    timings = _kernel_timings(device, GPU_SHAPES, 2)
+    fitted = fit_compute_curve(slow_peak, *timings, element_bytes=2)
+    assert fitted.peak_flops == pytest.approx(2 * 0.62 * slow_peak.peak_flops, rel=1e-3) and fitted.gemm_efficiency == pytest.approx(1.0)
+    for measured, predicted in zip(timings[0] + timings[1], sum(_kernel_timings(fitted, GPU_SHAPES, 2), [])):
+        assert dataclasses.astuple(predicted) == pytest.approx(dataclasses.astuple(measured), rel=1e-3)
+    with pytest.raises(PlannerError, match="two sequence lengths"):
+        fit_compute_curve(preset, timings[0], timings[1][:1], element_bytes=2)
+
+
+def test_compute_profile_on_cpu_writes_a_file_the_planner_loads(tmp_path, capsys):
+    out = tmp_path / "hw.json"
+    started = time.monotonic()
+    assert main(["profile", "--hardware", "cpu-emulated", "--hardware-out", str(out), "--iters", "2"]) == 0
+    assert time.monotonic() - started < 30
+    assert "GEMM 256x512x256" in capsys.readouterr().out
+    hw, preset = load_hardware(out), hardware_preset("cpu-emulated")
+    assert hw.name == "cpu-emulated (profiled)" and hw.peak_flops >= preset.peak_flops
+    assert 0 < hw.gemm_efficiency <= 1 and 0 < hw.attention_efficiency <= 1 and hw.attention_backward_ratio > 0
+    assert (hw.efficiency, hw.memory_bytes, hw.inter_bw, hw.whole_step_rate) == (preset.efficiency, preset.memory_bytes, preset.inter_bw, True)
+    assert main(["--model", "debugmodel", "--gpus", "4", "--hardware-file", str(out), "--seq-len", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["hardware"] == "cpu-emulated (profiled)"
+    assert main(["profile", "--hardware-out", str(out)]) == 2 and "needs --hardware PRESET" in capsys.readouterr().err
+    assert main(["profile"]) == 2
 
 
 # ----- search and CLI ----------------------------------------------------------------------

@@ -82,26 +82,35 @@ class StepCompute:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Kernel:
-    """Per micro-batch, one kernel kind's forward work and time (before multiplying by
-    passes and micro-batches)."""
+class Kernel:
+    """One kernel call's work and its time by the device's curve (in a step: per
+    micro-batch, before multiplying by passes and micro-batches)."""
 
     flops: float
     bytes: float
     seconds: float
 
 
-def _gemm(hw: HardwareSpec, m: int, n: int, k: int, element_bytes: int) -> _Kernel:
+def gemm(hw: HardwareSpec, m: int, n: int, k: int, element_bytes: int) -> Kernel:
+    """An (M, N, K) GEMM with ``element_bytes`` operands."""
     flops = 2.0 * m * n * k
     nbytes = float(element_bytes * (m * k + k * n + m * n))
     memory_s = 0.0 if hw.whole_step_rate else nbytes / hw.hbm_bw
     seconds = hw.gemm_call_s + max(flops / (hw.efficiency * hw.gemm_efficiency * hw.peak_flops), memory_s)
-    return _Kernel(flops, nbytes, seconds)
+    return Kernel(flops, nbytes, seconds)
 
 
 def attention_efficiency(hw: HardwareSpec, seq_len: int) -> float:
     """Share of peak FLOP/s causal attention's forward reaches on sequences of ``seq_len``."""
     return hw.efficiency * hw.attention_efficiency * seq_len / (seq_len + hw.attention_half_seq)
+
+
+def attention(hw: HardwareSpec, batch: int, heads: int, seq_len: int, head_dim: int) -> Kernel:
+    """Causal attention's forward over ``batch`` sequences on ``heads`` heads: QK^T and PV
+    over ``attention_causal_work`` of the scores (its backward takes
+    ``attention_backward_ratio`` times this time)."""
+    flops = hw.attention_causal_work * 4.0 * seq_len * seq_len * head_dim * heads * batch
+    return Kernel(flops, 0.0, flops / (attention_efficiency(hw, seq_len) * hw.peak_flops) if flops else 0.0)
 
 
 def _elementwise_bytes(model: ModelSpec, training: TrainingSpec, tp: int) -> tuple[float, float, float]:
@@ -127,23 +136,22 @@ def step_compute(model: ModelSpec, training: TrainingSpec, hw: HardwareSpec, tp:
     policy = training.recompute
     layers = model.n_layers
     # Forward of one block: each GEMM, and which the policy re-runs.
-    gemms = [_gemm(hw, tokens, n, k, a) for n, k in block_matmuls(model, tp)]
+    gemms = [gemm(hw, tokens, n, k, a) for n, k in block_matmuls(model, tp)]
     recomputed = [g for i, g in enumerate(gemms) if policy.recomputes_matmul(i)]
-    head = _gemm(hw, tokens, model.vocab_size // tp, model.dim, a)
-    heads = model.n_heads // tp
-    scores = 4.0 * seq * seq * model.head_dim * heads * training.micro_batch  # QK^T and PV, every score
-    attention_flops = hw.attention_causal_work * scores
-    attention_s = attention_flops / (attention_efficiency(hw, seq) * hw.peak_flops) if attention_flops else 0.0
+    head = gemm(hw, tokens, model.vocab_size // tp, model.dim, a)
+    attn = attention(hw, training.micro_batch, model.n_heads // tp, seq, model.head_dim)
+    attention_flops, attention_s = attn.flops, attn.seconds
+    scores = attention_flops / hw.attention_causal_work  # QK^T and PV, every score
     block_bytes, loss_forward, loss_backward = (tokens * b for b in _elementwise_bytes(model, training, tp))
     elementwise_bw = None if hw.whole_step_rate else hw.hbm_bw
 
-    def gemm_terms(kernels: list[_Kernel], calls: int, pass_: str) -> ComputeTerm:
+    def gemm_terms(kernels: list[Kernel], calls: int, pass_: str) -> ComputeTerm:
         flops = calls * microbatches * sum(g.flops for g in kernels)
         seconds = calls * microbatches * sum(g.seconds for g in kernels)
         nbytes = calls * microbatches * sum(g.bytes for g in kernels)
         return ComputeTerm("gemm", pass_, flops, nbytes, seconds, flops / (seconds * hw.peak_flops) if seconds else None, None)
 
-    def attention(flops: float, seconds: float, pass_: str) -> ComputeTerm:
+    def attention_terms(flops: float, seconds: float, pass_: str) -> ComputeTerm:
         flops, seconds = flops * layers * microbatches, seconds * layers * microbatches
         return ComputeTerm("attention", pass_, flops, 0.0, seconds, flops / (seconds * hw.peak_flops) if seconds else None, None)
 
@@ -154,16 +162,16 @@ def step_compute(model: ModelSpec, training: TrainingSpec, hw: HardwareSpec, tp:
     block_gemms = gemms * layers
     terms = [
         gemm_terms([*block_gemms, head], 1, "forward"),
-        attention(attention_flops, attention_s, "forward"),
+        attention_terms(attention_flops, attention_s, "forward"),
         gemm_terms([*block_gemms, head], 2, "backward"),
-        attention(2 * attention_flops, hw.attention_backward_ratio * attention_s, "backward"),
+        attention_terms(2 * attention_flops, hw.attention_backward_ratio * attention_s, "backward"),
     ]
     if elementwise_bw:
         terms += [elementwise(layers * block_bytes + loss_forward, "forward"), elementwise(2 * layers * block_bytes + loss_backward, "backward")]
     if recomputed:
         terms.append(gemm_terms(recomputed * layers, 1, "recompute"))
     if policy.attention:
-        terms.append(attention(attention_flops, attention_s, "recompute"))
+        terms.append(attention_terms(attention_flops, attention_s, "recompute"))
     if policy.elementwise and elementwise_bw:
         terms.append(elementwise(layers * block_bytes, "recompute"))
     # The recomputed forward by the MFU convention: its matmuls' 2 FLOPs per weight and

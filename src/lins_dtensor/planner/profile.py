@@ -1,24 +1,40 @@
-"""``lins-plan profile``: measure collective times on this cluster for the planner.
+"""``lins-plan profile``: measure this cluster's collectives and this device's compute
+curve for the planner.
 
-Run under torchrun (every rank runs it; gloo on CPU works). For every group shape the
-search can need on this world size, all groups of that shape run the collective at
-once, as the mesh dims do in training, so NIC sharing is measured, not assumed. Each
-time is the slowest rank's mean over ``iters`` calls after a warm-up call.
+Collectives (``--out``): run under torchrun (every rank runs it; gloo on CPU works). For
+every group shape the search can need on this world size, all groups of that shape run
+the collective at once, as the mesh dims do in training, so NIC sharing is measured, not
+assumed. Each time is the slowest rank's mean over ``iters`` calls after a warm-up call.
+
+Compute (``--hardware-out``, one process, or rank 0 under torchrun): bf16 GEMMs of a
+transformer block's shapes and causal ``scaled_dot_product_attention`` forward and
+backward at several sequence lengths, timed with CUDA events after warm-up (on CPU:
+fp32, small shapes, host timers), to which the ceilings of the curve in
+:mod:`lins_dtensor.planner.compute` are fitted: the GEMM ceiling, attention's ceiling and
+half-rate sequence length, and its backward/forward time ratio. They are kernel rates,
+so the scale ``efficiency`` (the distance of a training step from them) stays the
+preset's until ``lins-plan calibrate`` fits it to a run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import re
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from lins_dtensor.compat import all_gather_single, reduce_scatter_single
 from lins_dtensor.plan import valid_plans
 from lins_dtensor.planner.bandwidth import BandwidthTable, monotone
+from lins_dtensor.planner.compute import attention, gemm
+from lins_dtensor.planner.hardware import HardwareSpec, hardware_preset, save_hardware
 from lins_dtensor.planner.models import PlannerError
 from lins_dtensor.schedule import ALL_SPECS, group_size, group_stride, nodes_spanned
 
@@ -115,10 +131,179 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelShapes:
+    """What the compute profile times: GEMMs (M tokens, N, K) and causal attention of
+    ``heads`` x ``head_dim`` at each of ``seq_lens``, ``tokens`` per call (batch =
+    tokens / seq_len)."""
+
+    gemms: tuple[tuple[int, int, int], ...]
+    heads: int
+    head_dim: int
+    seq_lens: tuple[int, ...]
+    tokens: int
+
+
+# A Llama 3 8B block at 4096 tokens per micro-batch (d x d, d -> ffn, ffn -> d) and a
+# large square GEMM; attention as its 32 heads of 128 from 512 to 8192 tokens.
+GPU_SHAPES = KernelShapes(((4096, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336), (8192, 8192, 8192)), 32, 128, (512, 1024, 2048, 4096, 8192), 16384)
+# The same code path in CI: shapes that take a few milliseconds on a CPU core.
+CPU_SHAPES = KernelShapes(((128, 256, 256), (256, 512, 256), (256, 256, 512)), 4, 32, (64, 128, 256), 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiming:
+    m: int
+    n: int
+    k: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTiming:
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    forward_s: float
+    backward_s: float
+
+
+def _seconds(call: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
+    """Mean seconds of ``call`` after ``warmup`` calls: CUDA events around the queued
+    calls on a GPU (device time: the host queues kernels this large faster than they
+    run), the host clock on CPU."""
+    for _ in range(warmup):
+        call()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    start_s = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - start_s) / iters
+
+
+def measure_kernels(shapes: KernelShapes, device: torch.device, dtype: torch.dtype, iters: int) -> tuple[list[GemmTiming], list[AttentionTiming]]:
+    """Time every GEMM and attention shape on ``device``."""
+    gemms = []
+    for m, n, k in shapes.gemms:
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        gemms.append(GemmTiming(m, n, k, _seconds(lambda: torch.mm(a, b), device, iters)))
+    attentions = []
+    for seq in shapes.seq_lens:
+        batch = max(1, shapes.tokens // seq)
+        q, k, v = (torch.randn(batch, shapes.heads, seq, shapes.head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(batch, shapes.heads, seq, shapes.head_dim, device=device, dtype=dtype)
+
+        def forward() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        forward_s = _seconds(forward, device, iters)  # as in training: saving what backward needs
+        both_s = _seconds(lambda: torch.autograd.grad(forward(), (q, k, v), grad), device, iters)
+        if both_s <= forward_s:
+            raise PlannerError(f"attention at sequence {seq}: forward + backward timed no slower than forward alone; rerun with more --iters")
+        attentions.append(AttentionTiming(batch, shapes.heads, seq, shapes.head_dim, forward_s, both_s - forward_s))
+    return gemms, attentions
+
+
+def _minimize(f: Callable[[float], float], lo: float, hi: float, points: int = 25, iters: int = 60) -> float:
+    """The minimum of a one-dimensional loss on [lo, hi]: the best of a grid, refined by
+    golden-section search between its neighbours."""
+    grid = [lo + (hi - lo) * i / (points - 1) for i in range(points)]
+    best = min(range(points), key=lambda i: f(grid[i]))
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, points - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(iters):
+        c, d = b - ratio * (b - a), a + ratio * (b - a)
+        if f(c) < f(d):
+            b = d
+        else:
+            a = c
+    return (a + b) / 2
+
+
+def fit_compute_curve(base: HardwareSpec, gemms: list[GemmTiming], attentions: list[AttentionTiming], element_bytes: int) -> HardwareSpec:
+    """``base`` with its compute curve's ceilings fitted to kernel timings by least
+    squares of log(predicted / measured) time, each prediction from
+    :mod:`lins_dtensor.planner.compute` at ``efficiency`` 1 (kernel rates). A device that
+    beats ``base``'s peak raises the peak to its fastest ceiling (shares stay <= 1)."""
+    if not gemms or len({t.seq_len for t in attentions}) < 2:
+        raise PlannerError("the compute fit needs GEMM timings and attention at two sequence lengths or more")
+    kernel_rates = dataclasses.replace(base, efficiency=1.0)
+
+    def gemm_loss(log_ceiling: float) -> float:
+        hw = dataclasses.replace(kernel_rates, gemm_efficiency=math.exp(log_ceiling))
+        return sum(math.log(gemm(hw, t.m, t.n, t.k, element_bytes).seconds / t.seconds) ** 2 for t in gemms)
+
+    gemm_ceiling = math.exp(_minimize(gemm_loss, math.log(1e-3), math.log(1e3)))
+
+    def attention_fit(half_seq: float) -> tuple[float, float]:
+        """The best attention ceiling at this half-rate sequence, and its loss: time goes
+        as 1 / ceiling, so the best is the geometric mean of predicted / measured."""
+        hw = dataclasses.replace(kernel_rates, attention_efficiency=1.0, attention_half_seq=half_seq)
+        logs = [math.log(attention(hw, t.batch, t.heads, t.seq_len, t.head_dim).seconds / t.forward_s) for t in attentions]
+        mean = sum(logs) / len(logs)
+        return math.exp(mean), sum((x - mean) ** 2 for x in logs)
+
+    half_seq = _minimize(lambda h: attention_fit(h)[1], 0.0, 4.0 * max(t.seq_len for t in attentions))
+    attention_ceiling = attention_fit(half_seq)[0]
+    backward_ratio = math.exp(sum(math.log(t.backward_s / t.forward_s) for t in attentions) / len(attentions))
+    peak = base.peak_flops * max(1.0, gemm_ceiling, attention_ceiling)
+    shares = base.peak_flops / peak
+    return dataclasses.replace(
+        base, name=f"{base.name} (profiled)", peak_flops=peak, gemm_efficiency=gemm_ceiling * shares,
+        attention_efficiency=attention_ceiling * shares, attention_half_seq=half_seq, attention_backward_ratio=backward_ratio,
+    )
+
+
+def profile_compute(base: HardwareSpec, device: torch.device, iters: int = 5) -> tuple[HardwareSpec, str]:
+    """Measure this device's kernels (bf16 on a GPU, fp32 on CPU, as the presets' peaks
+    count) and fit ``base``'s curve to them; the fitted spec and a report of each
+    measured rate next to the fitted curve's."""
+    shapes, dtype = (GPU_SHAPES, torch.bfloat16) if device.type == "cuda" else (CPU_SHAPES, torch.float32)
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    gemms, attentions = measure_kernels(shapes, device, dtype, iters)
+    hw = fit_compute_curve(base, gemms, attentions, element_bytes)
+    kernel_rates = dataclasses.replace(hw, efficiency=1.0)
+    raised = f", raised to {hw.peak_flops / 1e12:.4g}: this device beats it" if hw.peak_flops > base.peak_flops else ""
+    lines = [f"compute curve of {device} ({dtype}) as shares of {base.name}'s peak {base.peak_flops / 1e12:.4g} TFLOP/s{raised}:",
+             f"  GEMM ceiling {hw.gemm_efficiency:.3f}, attention ceiling {hw.attention_efficiency:.3f} at half rate below "
+             f"{hw.attention_half_seq:.0f} tokens, backward {hw.attention_backward_ratio:.2f}x forward; efficiency {hw.efficiency:.3f} "
+             "kept (the training scale: 'lins-plan calibrate' fits it to a run)",
+             f"  {'kernel':<30} {'measured TFLOP/s':>17} {'curve TFLOP/s':>14}"]
+    for t in gemms:
+        k = gemm(kernel_rates, t.m, t.n, t.k, element_bytes)
+        lines.append(f"  {f'GEMM {t.m}x{t.n}x{t.k}':<30} {k.flops / t.seconds / 1e12:17.4g} {k.flops / k.seconds / 1e12:14.4g}")
+    for t in attentions:
+        k = attention(kernel_rates, t.batch, t.heads, t.seq_len, t.head_dim)
+        lines.append(f"  {f'attention fwd seq {t.seq_len} x{t.batch}':<30} {k.flops / t.forward_s / 1e12:17.4g} {k.flops / k.seconds / 1e12:14.4g}")
+    return hw, "\n".join(lines)
+
+
+def _write_compute_profile(preset: str, out: str, iters: int) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    hw, text = profile_compute(hardware_preset(preset), device, iters)
+    try:
+        save_hardware(hw, out)
+    except OSError as exc:
+        raise PlannerError(f"cannot write '{out}': {exc.strerror}") from None
+    print(f"{text}\nlins-plan profile: wrote {out}: use it with 'lins-plan --hardware-file {out}'")
+
+
 def run_profile(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lins-plan profile", description="Measure all_gather / reduce_scatter / all_reduce times "
-                                "for every group shape the planner needs; run under torchrun.")
-    p.add_argument("--out", required=True, help="JSON file to write (rank 0)")
+                                "for every group shape the planner needs (--out; run under torchrun), and/or this device's GEMM and "
+                                "attention rates (--hardware-out; no torchrun needed).")
+    p.add_argument("--out", help="bandwidth table JSON to write (rank 0)")
+    p.add_argument("--hardware-out", metavar="FILE", help="fit --hardware's compute curve to this device's kernels and write a "
+                   "hardware file for --hardware-file (under torchrun: rank 0's device)")
+    p.add_argument("--hardware", help="preset the hardware file starts from (peak FLOP/s, memory, network); required with --hardware-out")
     p.add_argument("--min-size", default="64KiB")
     p.add_argument("--max-size", default="256MiB")
     p.add_argument("--factor", type=int, default=4, help="ratio between consecutive message sizes")
@@ -126,9 +311,19 @@ def run_profile(argv: list[str]) -> int:
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE (set by torchrun)")
     p.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     args = p.parse_args(argv)
+    if not args.out and not args.hardware_out:
+        raise PlannerError("profile: give --out (collectives, under torchrun) and/or --hardware-out (this device's compute)")
+    if args.hardware_out and not args.hardware:
+        raise PlannerError("profile: --hardware-out needs --hardware PRESET, the part whose peak, memory and network it keeps")
+    if not args.out:
+        hardware_preset(args.hardware)  # a bad name fails before the measurement
+        _write_compute_profile(args.hardware, args.hardware_out, args.iters)
+        return 0
     sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size), args.factor)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise PlannerError("lins-plan profile must run under torchrun (RANK / WORLD_SIZE are not set)")
+        raise PlannerError("lins-plan profile --out must run under torchrun (RANK / WORLD_SIZE are not set)")
+    if args.hardware_out:
+        hardware_preset(args.hardware)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -139,6 +334,8 @@ def run_profile(argv: list[str]) -> int:
         if dist.get_rank() == 0:
             table.save(args.out)
             print(f"lins-plan profile: {len(table.entries)} shapes x {len(sizes)} sizes -> {args.out}")
+            if args.hardware_out:
+                _write_compute_profile(args.hardware, args.hardware_out, args.iters)
     finally:
         dist.destroy_process_group()
     return 0
