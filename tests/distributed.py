@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 multiprocessing.set_forkserver_preload([
     "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "lins_dtensor",
-    "torchtitan.train", "scenarios", "checkpoint_scenarios", "error_scenarios", "fault_scenarios", "device_scenarios",
+    "torchtitan.train", "scenarios", "checkpoint_scenarios", "error_scenarios", "fault_scenarios", "device_scenarios", "step_scenarios",
 ])
 
 

@@ -33,7 +33,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 # Waits for: ``torch.utils._pytree`` becoming public (see map_floating_tensors).
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 
 def fsdp_unit_params(module: nn.Module) -> list[nn.Parameter]:
@@ -108,6 +108,37 @@ def fsdp_forward_prefetch_modules(module: nn.Module) -> list[nn.Module]:
     Waits for: a public getter beside that setter."""
     state = module._get_fsdp_state()
     return [m for target in state._states_to_forward_prefetch for m in target._modules]
+
+
+class _HeldElsewhere(torch.Tensor):
+    """A gradient that holds no data and refuses every op with one line (see
+    :func:`gradient_held_elsewhere`)."""
+
+    message: str
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, message: str) -> "_HeldElsewhere":
+        grad = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        grad.message = message
+        return grad
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        message = next(a.message for a in tree_leaves((args, kwargs)) if isinstance(a, _HeldElsewhere))
+        raise RuntimeError(message)
+
+    def __repr__(self) -> str:
+        return f"<gradient held elsewhere: {self.message}>"
+
+
+def gradient_held_elsewhere(param: torch.Tensor, message: str) -> torch.Tensor:
+    """A ``.grad`` for ``param`` that costs no memory and raises ``RuntimeError(message)``
+    in any op that reads it (``torch.nn.utils.clip_grad_norm_``, a norm for logging, an
+    accumulation), so that code reading ``p.grad`` fails loudly instead of seeing None.
+
+    Waits for: a public way to mark a parameter's gradient as kept elsewhere
+    (``Tensor._make_wrapper_subclass`` is what torch's own subclasses use)."""
+    return _HeldElsewhere(param, message)
 
 
 def fsdp_unshard_async_op(module: nn.Module) -> bool:

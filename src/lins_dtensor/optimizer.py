@@ -290,8 +290,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, e
     """Clip the gradients of a Lins model by their global norm; returns the norm.
 
     Call it between backward and ``optimizer.step()``. The model's own parameters carry
-    no gradients under Lins (they live in G buffers until the step), so
-    ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would see none: use this.
+    no gradients under Lins (they live in G buffers until the step): their ``.grad``
+    raises when read, so ``torch.nn.utils.clip_grad_norm_(model.parameters())`` fails
+    with one line naming this function instead of clipping nothing.
     It reduces the gradients into the masters (the step then reuses them) and takes
     the norm over the OS shards with one scalar all-reduce. A non-finite norm behaves
     as in ``torch.nn.utils.clip_grad_norm_``: returned, and the gradients scaled by it,

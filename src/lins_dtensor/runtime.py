@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lins_dtensor.collectives import CommRecorder, CommStream
-from lins_dtensor.compat import fsdp_forward_prefetch_modules, fsdp_unit_params, queue_backward_callback
+from lins_dtensor.compat import fsdp_forward_prefetch_modules, fsdp_unit_params, gradient_held_elsewhere, queue_backward_callback
 from lins_dtensor.executor import Executor
 from lins_dtensor.mesh import TENSOR_PARALLEL, LinsMesh, mesh_layout
 from lins_dtensor.plan import LinsPlan, LinsPlanError
@@ -42,6 +42,10 @@ from lins_dtensor.schedule import UnitSchedule, default_max_inflight_bytes
 from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
 
 _STATE_ATTR = "_lins_state"
+_GRADIENT_HELD_MESSAGE = (
+    "lins: a Lins model's parameter gradients are in Lins' G buffers, not in .grad (they are reduced at "
+    "optimizer.step()): clip with lins_dtensor.clip_grad_norm_(model, max_norm), which returns the total norm"
+)
 
 
 @dataclasses.dataclass
@@ -62,6 +66,10 @@ class LinsState:
     # The order units run forward in, for the update gathers (seen on each forward).
     forward_order: list[LinsUnit] = dataclasses.field(default_factory=list)
     _seen: dict[int, LinsUnit] = dataclasses.field(default_factory=dict)
+    # Units whose gradient arrived in the running backward, and the parameters given a
+    # gradient that refuses to be read (_mark_gradients_held) until the step or the next forward.
+    _with_gradient: dict[int, LinsUnit] = dataclasses.field(default_factory=dict)
+    _marked: list[nn.Parameter] = dataclasses.field(default_factory=list)
 
     @property
     def mesh(self) -> LinsMesh:
@@ -99,6 +107,7 @@ class LinsState:
         """A unit's backend hands over one backward pass's P-sharded gradient."""
         if not self.in_backward:
             self._begin_backward()
+        self._with_gradient.setdefault(id(unit), unit)
         unit.accumulate(rows, self.sync, inputs)
         self.executor.pump()
 
@@ -127,7 +136,24 @@ class LinsState:
             unit.backend.end_backward()
         self.in_backward = False
         self.backward_index += 1
+        self._mark_gradients_held()
         self.executor.pump()
+
+    def _mark_gradients_held(self) -> None:
+        """Code written for FSDP2 or DDP reads ``p.grad`` after backward:
+        ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would find None everywhere
+        and clip nothing, silently. The parameters that had a gradient get one that
+        raises, naming what to call instead, until the step (or the next forward)."""
+        for unit in self._with_gradient.values():
+            for param in unit.params:
+                param.grad = gradient_held_elsewhere(param, _GRADIENT_HELD_MESSAGE)
+                self._marked.append(param)
+        self._with_gradient = {}
+
+    def _clear_gradient_marks(self) -> None:
+        for param in self._marked:
+            param.grad = None
+        self._marked = []
 
     # ----- the optimizer step ---------------------------------------------------------------
     @torch.no_grad()
@@ -153,6 +179,7 @@ class LinsState:
         values to P, in the order the units run forward."""
         for unit in self.units:
             unit.end_step()
+        self._clear_gradient_marks()  # the step consumed the gradients, as zero_grad() would
         if self.backward_index:
             self.learned_steps = self.backward_index
         self.backward_index = 0
@@ -169,6 +196,7 @@ class LinsState:
     # ----- forward: wait for the update where it is needed -------------------------------------
     def before_root_forward(self) -> None:
         self._seen = {}
+        self._clear_gradient_marks()  # autograd must not accumulate into them
         for unit in self.units:
             unit.materialize()
         # A unit whose forward did not run last time (its parameters are read by other
