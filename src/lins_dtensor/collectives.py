@@ -220,10 +220,10 @@ class CommStream:
             self.stream.wait_event(event)
 
     def current_waits(self, event: object) -> None:
-        if self.api is not None and event is not None:
-            self.api.current_stream().wait_event(event)
+        self.stream_waits(self.current_stream(), event)
 
     def stream_waits(self, stream: object, event: object) -> None:
+        """``stream`` waits for ``event`` (nothing on CPU, where both are None)."""
         if stream is not None and event is not None:
             stream.wait_event(event)
 

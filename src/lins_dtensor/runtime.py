@@ -24,6 +24,7 @@ same whichever way the count is known.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -220,8 +221,14 @@ class LinsState:
     def _forward_prefetch_targets(self, unit: LinsUnit) -> list[LinsUnit]:
         if not isinstance(unit.backend, ShardedParams):
             return []
-        by_module = {id(u.backend.module): u for u in self.units if isinstance(u.backend, ShardedParams)}
+        by_module = self._sharded_units_by_module
         return [by_module[id(m)] for m in fsdp_forward_prefetch_modules(unit.backend.module) if id(m) in by_module]
+
+    @functools.cached_property
+    def _sharded_units_by_module(self) -> dict[int, LinsUnit]:
+        """The FSDP2 units by their module (first read in forward, after apply_lins
+        has made every unit)."""
+        return {id(u.backend.module): u for u in self.units if isinstance(u.backend, ShardedParams)}
 
     def after_root_forward(self) -> None:
         if torch.is_grad_enabled() or not self.forward_order:

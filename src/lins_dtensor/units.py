@@ -308,10 +308,10 @@ class ReplicatedParams:
 
     def _release(self) -> None:
         rows = [g.reshape(r, n) for g, (r, n) in zip(self._pending, self._rows)]
-        keep = tuple(self._pending)
+        inputs = tuple(self._pending)  # autograd's gradients, made on the current stream
         self._pending = [None] * len(self.params)
         self._arrived = 0
-        self._sink(rows, keep)
+        self._sink(rows, inputs)
 
     def before_forward(self, updated: object) -> None:
         """Parameters are read on the current stream, which the executor made wait."""
