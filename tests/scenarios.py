@@ -241,6 +241,7 @@ def masters_from_initialisation(plans: list[str]) -> list[dict]:
                             value = distribute_tensor(value, p.device_mesh, p.placements).to_local()
                             p = p.to_local()
                         p.copy_(value)
+            lins_state(model).materialize()
             masters = lins_state(model).masters()
             mine = {
                 "masters_exact": all(torch.equal(m.full_tensor(), want[n]) for n, m in masters.items()),

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh, clip_grad_norm_, lins_optimizer
+from lins_dtensor import (
+    LinsPlan,
+    apply_lins,
+    build_lins_mesh,
+    clip_grad_norm_,
+    lins_optimizer,
+    lins_stats,
+    set_gradient_accumulation_steps,
+)
+from lins_dtensor.runtime import lins_state
+from lins_dtensor.schedule import ALL_SPECS, step_collectives
 from scenarios import LR, MAX_NORM, WEIGHT_DECAY
-from tiny_llama import batch, build_model, loss_fn, tensor_parallelize
+from tiny_llama import Block, batch, build_model, loss_fn, tensor_parallelize
 
 
 def torch_clip_on_lins_model(configs: list[dict]) -> list[dict]:
@@ -41,4 +53,157 @@ def torch_clip_on_lins_model(configs: list[dict]) -> list[dict]:
             opt.zero_grad()
         results.append({"config": cfg, "raised": raised, "with_grad": with_grad, "trainable": sum(p.requires_grad for p in model.parameters()),
                         "norms": norms})
+    return results
+
+
+# ----- parameters that take no part in a step ------------------------------------------------
+UNUSED_STEPS = 4
+
+
+def branch_used(step: int, rank: int, microbatch: int) -> bool:
+    """Whether the blocks' branch takes part: step 0 everywhere, step 1 nowhere (the
+    optimizer must leave it alone), step 2 on rank 0 only (the others add zeros), step 3
+    in micro-batch 0 only (on ranks 1 and 2)."""
+    return (step == 0, False, rank == 0, microbatch == 0 and rank in (1, 2))[step]
+
+
+def _set_branch(model: torch.nn.Module, used: bool) -> None:
+    for block in model.modules():
+        if isinstance(block, Block):
+            block.use_branch = used
+
+
+def unused_reference(world: int, microbatches: int) -> dict[str, torch.Tensor]:
+    """One process, every rank's micro-batches, the same branch pattern: torch.optim
+    skips a parameter whose .grad stayed None."""
+    model = build_model(branch=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    for step in range(UNUSED_STEPS):
+        for rank in range(world):
+            for mb in range(microbatches):
+                _set_branch(model, branch_used(step, rank, mb))
+                (loss_fn(model, batch(step, rank, mb)) / (microbatches * world)).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            _set_branch(model, True)
+            loss_fn(model, batch(99, 0, 0))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def unused_parameters(configs: list[dict]) -> list[dict]:
+    """Each config: plan, microbatches. Lins with the branch pattern of :func:`branch_used`,
+    a no_grad validation forward (branch on) after each step; the full masters, and
+    whether the bytes each step recorded match schedule.step_collectives."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cfg in configs:
+        mbs = cfg["microbatches"]
+        model = build_model(branch=True)
+        plan = LinsPlan.parse(cfg["plan"], world)
+        apply_lins(model, build_lins_mesh(plan, ranks_per_node=2, device_type="cpu"))
+        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+        for step in range(UNUSED_STEPS):
+            for mb in range(mbs):
+                _set_branch(model, branch_used(step, rank, mb))
+                (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                _set_branch(model, True)
+                loss_fn(model, batch(99, 0, 0))
+        masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+        results.append({"config": cfg, "masters": masters, "bytes_match": _bytes_match(model, plan, mbs, lins_only=True)})
+    return results
+
+
+def _bytes_match(model: torch.nn.Module, plan: LinsPlan, microbatches: int, clip: bool = False, lins_only: bool = False) -> bool:
+    """Whether the last step recorded exactly what schedule.step_collectives counts
+    (``lins_only``: the collectives Lins issues, not FSDP2's parameter gathers, which a
+    validation forward between steps adds to)."""
+    state = lins_state(model)
+    expected = step_collectives(plan, state.schedule(), world_size=dist.get_world_size(), ranks_per_node=2,
+                                microbatches=microbatches, param_bytes=4, reduce_bytes=4, clip_grad_norm=clip)
+    counted = {spec.name for spec in ALL_SPECS if spec.issuer == "lins" or not lins_only}
+    key = lambda r: (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes)  # noqa: E731
+    predicted = Counter()
+    for r in expected:
+        if r.name in counted:
+            predicted[key(r)] += r.count
+    return Counter(key(r) for r in lins_stats(model).collectives if r.name in counted) == predicted
+
+
+# ----- a step that raises, and the step done again ------------------------------------------------
+RECOVERY_STEPS, RECOVERY_MICROBATCHES, FAILED_STEP = 5, 3, 2
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class _Tripwire(torch.autograd.Function):
+    """Identity; raises in backward while ``armed`` (a fault in the middle of backward)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if _Tripwire.armed:
+            raise InjectedFault("injected in backward")
+        return grad
+
+
+def _blocks(model: torch.nn.Module) -> list[Block]:
+    return [m for m in model.modules() if isinstance(m, Block)]
+
+
+def recovery(configs: list[dict]) -> list[dict]:
+    """Each config: plan, fault (None, "forward", "backward" or "before_step"). Lins told
+    M=3; in step 2 the fault is injected on every rank (in forward of micro-batch 2,
+    in backward of micro-batch 2 between the two blocks, or after the last backward),
+    caught, ``opt.zero_grad()``, and the step done again. Returns the full masters and
+    whether the last step's recorded bytes match the schedule."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cfg in configs:
+        model = build_model()
+        plan = LinsPlan.parse(cfg["plan"], world)
+        apply_lins(model, build_lins_mesh(plan, ranks_per_node=2, device_type="cpu"))
+        set_gradient_accumulation_steps(model, RECOVERY_MICROBATCHES)
+        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+        first, second = _blocks(model)[:2]
+        fault = {"armed": False}
+
+        def raise_in_forward(module, args):
+            if fault["armed"] and cfg["fault"] == "forward":
+                raise InjectedFault("injected in forward")
+
+        second.register_forward_pre_hook(raise_in_forward)
+        first.register_forward_hook(lambda module, args, output: _Tripwire.apply(output))
+        caught = []
+        for step in range(RECOVERY_STEPS):
+            attempts = 2 if step == FAILED_STEP and cfg["fault"] else 1
+            for attempt in range(attempts):
+                failing = attempt == 0 and attempts == 2
+                try:
+                    for mb in range(RECOVERY_MICROBATCHES):
+                        fault["armed"] = failing and mb == 1
+                        _Tripwire.armed = fault["armed"] and cfg["fault"] == "backward"
+                        (loss_fn(model, batch(step, rank, mb)) / RECOVERY_MICROBATCHES).backward()
+                    if failing and cfg["fault"] == "before_step":
+                        raise InjectedFault("injected before the step")
+                    clip_grad_norm_(model, MAX_NORM)
+                    opt.step()
+                except InjectedFault as error:
+                    caught.append(str(error))
+                finally:
+                    _Tripwire.armed = False
+                opt.zero_grad()
+        masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+        results.append({"config": cfg, "masters": masters, "caught": caught,
+                         "bytes_match": _bytes_match(model, plan, RECOVERY_MICROBATCHES, clip=True)})
     return results

@@ -3,7 +3,9 @@ RMSNorm, output head. The vocabulary (50) does not divide by 4 or 8, the per-hea
 gain (3 rows) leaves some shards empty at 4 and 8 ranks, and a frozen positional
 table checks that parameters without gradients stay replicated. ``tied=True`` ties the
 output head to the embedding (GPT-2, Llama 3.2 1B). ``tree`` arranges the same modules
-as the model trees people bring (:data:`TREES`)."""
+as the model trees people bring (:data:`TREES`). ``branch=True`` gives each block a
+linear layer that takes part only while its ``use_branch`` is True (a conditional branch,
+an auxiliary head, a routed expert)."""
 
 from __future__ import annotations
 
@@ -52,15 +54,19 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int) -> None:
+    def __init__(self, dim: int, n_heads: int, hidden: int, branch: bool = False) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim)
         self.attention = Attention(dim, n_heads)
         self.ffn_norm = nn.RMSNorm(dim)
         self.feed_forward = FeedForward(dim, hidden)
+        self.branch = nn.Linear(dim, dim) if branch else None
+        self.use_branch = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
+        if self.branch is not None and self.use_branch:
+            x = x + self.branch(x)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -85,11 +91,11 @@ class Trunk(nn.Module):
 
 class TinyLlama(nn.Module):
     def __init__(self, vocab: int = 50, dim: int = 24, n_heads: int = 3, hidden: int = 40, n_layers: int = 2, seq: int = 8,
-                 tied: bool = False, tree: str = "flat") -> None:
+                 tied: bool = False, tree: str = "flat", branch: bool = False) -> None:
         super().__init__()
         tok_embeddings = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1, requires_grad=False)
-        blocks = [Block(dim, n_heads, hidden) for _ in range(n_layers)]
+        blocks = [Block(dim, n_heads, hidden, branch) for _ in range(n_layers)]
         norm = nn.RMSNorm(dim)
         half = n_layers // 2
         if tree == "hf":

@@ -5,6 +5,7 @@ from lins_dtensor.optimizer import clip_grad_norm_, lins_optimizer
 from lins_dtensor.plan import LinsPlan, LinsPlanError, valid_plans
 from lins_dtensor.runtime import (
     apply_lins,
+    reset_step,
     set_gradient_accumulation_steps,
     set_reduce_in_backward,
     set_requires_gradient_sync,
@@ -22,6 +23,7 @@ __all__ = [
     "clip_grad_norm_",
     "lins_optimizer",
     "lins_stats",
+    "reset_step",
     "set_gradient_accumulation_steps",
     "set_reduce_in_backward",
     "set_requires_gradient_sync",

@@ -6,7 +6,8 @@ extension points (:class:`LinsAllGather`, :class:`LinsReduceScatter`), and the
 gradient, optimizer and update collectives that FSDP2 cannot express are started by
 :func:`start_all_gather`, :func:`start_reduce_scatter` and :func:`start_all_reduce`,
 always asynchronously: each returns a :class:`Flight` that the executor
-(:mod:`lins_dtensor.executor`) joins where the result is needed. Each call is recorded
+(:mod:`lins_dtensor.executor`) joins where the result is needed. The hosts agree on
+which parameters took part in a step with a :class:`HostAllReduce`. Each call is recorded
 with its :class:`~lins_dtensor.schedule.CollectiveSpec`, so the accounting
 (:func:`lins_dtensor.lins_stats`) sees exactly what went on the wire, with a
 :class:`CommTiming` that says how long it ran and how much of that a consumer waited
@@ -130,6 +131,10 @@ class CommRecorder:
             self._records[step].append(CollectiveRecord(spec.name, spec.state, spec.op, size, nodes, nbytes))
             self._timings[step].append(timing)
         return timing
+
+    def discard_running_step(self) -> None:
+        """Forget what the running step recorded (it raised, and is done again)."""
+        self._records[self.step], self._timings[self.step] = [], []
 
     def end_step(self) -> None:
         self.step += 1
@@ -325,6 +330,34 @@ def all_reduce(recorder: CommRecorder, spec: CollectiveSpec, tensor: torch.Tenso
         with _naming_failures(spec):
             dist.all_reduce(tensor, op=op, group=group)
         _time_blocking_call(timing, tensor.device)
+
+
+class HostAllReduce:
+    """An all-reduce of a small host tensor over the hosts' gloo group, started now and
+    waited for where its result is read: gloo runs it on its own threads, so neither
+    the host nor any device stream waits for it in between. The time the host spends
+    blocked in :meth:`result` is its exposed time. Over a group of one rank there is
+    nothing to agree on: no collective, nothing recorded (as the schedule counts it)."""
+
+    def __init__(self, recorder: CommRecorder, spec: CollectiveSpec, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+        self.tensor, self.spec = tensor, spec
+        self._work: dist.Work | None = None
+        if dist.get_world_size(group) == 1:
+            return
+        with record_function(f"lins::{spec.name}"):
+            self.timing = recorder.record(spec, group, tensor)
+            with _naming_failures(spec):
+                self._work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+    def result(self) -> torch.Tensor:
+        if self._work is not None:
+            start = time.perf_counter()
+            with _naming_failures(self.spec):
+                self._work.wait()
+            self.timing.exposed = time.perf_counter() - start
+            self.timing.mark_finished()
+            self._work = None
+        return self.tensor
 
 
 @contextlib.contextmanager

@@ -90,6 +90,45 @@ def fsdp_reduce_scatter_unused_params(module: nn.Module) -> None:
     param_group.post_backward = post_backward_with_unused
 
 
+def fsdp_report_param_use(module: nn.Module, on_use: Callable[[list[bool]], None]) -> None:
+    """Call ``on_use`` with which of ``module``'s parameters (:func:`fsdp_unit_params`'
+    order) got a gradient in a backward, just before FSDP2's post-backward reduces them:
+    it reduces zeros for the others (:func:`fsdp_reduce_scatter_unused_params`), which
+    Lins must tell apart from a gradient. Install it after that function.
+
+    Waits for: a public report of the parameters FSDP2's post-backward found without a
+    gradient."""
+    param_group = module._get_fsdp_state()._fsdp_param_group
+    if param_group is None:
+        return
+    post_backward = param_group.post_backward
+
+    def post_backward_reporting_use(*args: Any) -> None:
+        if param_group.reduce_grads:
+            on_use([
+                hasattr(fsdp_param, "_unsharded_param")
+                and (fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.unsharded_param.grad is not None)
+                for fsdp_param in param_group.fsdp_params
+            ])
+        post_backward(*args)
+
+    param_group.post_backward = post_backward_reporting_use  # called through the instance
+
+
+def fsdp_reset_iter_state(root: nn.Module) -> None:
+    """Recover FSDP2 after a forward or backward that raised: wait for its collectives in
+    flight, reshard, and clear its per-iteration state (the failed iteration's gradients
+    are discarded). ``root``: the module the outermost ``fully_shard`` was applied to.
+
+    Waits for: ``FSDPModule.reset_iter_state`` (torch 2.13) in every supported release."""
+    if not hasattr(root, "reset_iter_state"):
+        raise RuntimeError(
+            f"lins: recovering from a step that raised needs FSDPModule.reset_iter_state (torch >= 2.13) where P is "
+            f"sharded; this is torch {torch.__version__}: restart from the last checkpoint instead"
+        )
+    root.reset_iter_state()
+
+
 def fsdp_wait_all_gather_streams(module: nn.Module, event: torch.Event) -> None:
     """Make the streams FSDP2 copies and all-gathers ``module``'s parameters on wait for
     ``event`` (Lins wrote the parameters' local shards on its own stream).

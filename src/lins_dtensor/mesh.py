@@ -59,6 +59,9 @@ class LinsMesh:
     device_mesh: DeviceMesh
     plan: LinsPlan
     ranks_per_node: int
+    # Every rank of the job, on gloo: what the hosts agree on without a device round
+    # trip (which parameters took part in a step).
+    host_group: dist.ProcessGroup
 
     @property
     def world_size(self) -> int:
@@ -99,6 +102,7 @@ class LinsMesh:
         _check_timeout(timeout)
         for dim in self.device_mesh.mesh_dim_names:
             set_group_timeout(self.group(dim), timeout)
+        set_group_timeout(self.host_group, timeout)
 
     def param_mesh(self) -> DeviceMesh:
         """The 1-D mesh FSDP2 shards parameters on."""
@@ -196,7 +200,9 @@ def build_lins_mesh(
     # ranks issue them in different orders and hang. Naming the backend opts out.
     backend = dist.get_backend()
     device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=((backend, None),) * len(names))
-    mesh = LinsMesh(device_mesh, plan, ranks_per_node)
+    # The host group is Lins' own for the reason above; gloo, so that the hosts agree
+    # without waiting for a device (NCCL takes device tensors only).
+    mesh = LinsMesh(device_mesh, plan, ranks_per_node, dist.new_group(backend="gloo"))
     if timeout is not None:
         mesh.set_timeout(timeout)
     return mesh

@@ -106,6 +106,7 @@ def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
     updates them all; frozen ones are skipped (they have no master). Collect parameters
     after ``apply_lins``: FSDP2 replaces them (names work either way)."""
     state = lins_state(model)
+    state.materialize()
     masters = state.masters()
     groups = _param_groups(model, state, params)
     locals_by_fqn = {fqn: m for unit in state.units for fqn, m in zip(unit.fqns, unit.local_masters)}
@@ -119,6 +120,7 @@ def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
     hooks.hold(masters=False)
     optimizer.register_step_pre_hook(hooks.before)
     optimizer.register_step_post_hook(hooks.after)
+    _discard_failed_step_on_zero_grad(optimizer, state)
     fqns = [fqn for _, group_fqns in groups for fqn in group_fqns]
     optimizer._lins_hooks = hooks  # type: ignore[attr-defined]
     optimizer._lins_fqns = fqns  # type: ignore[attr-defined]
@@ -132,6 +134,20 @@ def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
     keep_own_state_dict(optimizer, _state_dict_by_fqn(weakref.ref(optimizer)))
     state.optimizer = optimizer
     return optimizer
+
+
+def _discard_failed_step_on_zero_grad(optimizer: torch.optim.Optimizer, state: LinsState) -> None:
+    """``zero_grad()`` discards the gradients of micro-batches whose step failed, in
+    PyTorch; Lins' are in its G buffers and chains, which :meth:`LinsState.discard_step`
+    forgets (a no-op between steps). torch.optim has step hooks but none for
+    ``zero_grad``: the instance's method is wrapped."""
+    zero_grad = optimizer.zero_grad
+
+    def zero_grad_and_discard_failed_step(set_to_none: bool = True) -> None:
+        state.discard_step()
+        zero_grad(set_to_none)
+
+    optimizer.zero_grad = zero_grad_and_discard_failed_step
 
 
 def _param_groups(model: nn.Module, state: LinsState, params: ParamsArg | None) -> list[tuple[dict[str, Any], list[str]]]:

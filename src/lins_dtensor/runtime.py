@@ -19,6 +19,18 @@ instead; with more, each pass after the expected last adds its gradient with one
 reduction (the same sum in another order: it warns once). :func:`set_requires_gradient_sync`
 overrides the count for the next passes, FSDP2-style. Otherwise results are bitwise the
 same whichever way the count is known.
+
+Parameters that take no part keep PyTorch's semantics. One that got no gradient on a
+rank adds zeros there (the sum over the ranks that used it, as DDP gives); one that got
+none on any rank in the whole step gets no optimizer update (its master's ``grad`` stays
+None, which torch.optim skips): the hosts agree on which took part with one small
+all-reduce per step (``schedule.USED_PARAMS_ALL_REDUCE``). Every unit's forward must run
+on every rank, as under FSDP2.
+
+A step that raises between its first forward and the end of ``optimizer.step()`` is
+forgotten by the next ``optimizer.zero_grad()`` (:func:`reset_step`): per-step state
+lives in :class:`StepProgress` and each unit's :class:`~lins_dtensor.units.StepGradient`,
+both with ``reset()``.
 """
 
 from __future__ import annotations
@@ -30,16 +42,23 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lins_dtensor.collectives import CommRecorder, CommStream
-from lins_dtensor.compat import fsdp_forward_prefetch_modules, fsdp_unit_params, gradient_held_elsewhere, queue_backward_callback
+from lins_dtensor.collectives import CommRecorder, CommStream, HostAllReduce
+from lins_dtensor.compat import (
+    fsdp_forward_prefetch_modules,
+    fsdp_reset_iter_state,
+    fsdp_unit_params,
+    gradient_held_elsewhere,
+    queue_backward_callback,
+)
 from lins_dtensor.executor import Executor
 from lins_dtensor.mesh import TENSOR_PARALLEL, LinsMesh, mesh_layout
 from lins_dtensor.plan import LinsPlan, LinsPlanError
-from lins_dtensor.schedule import UnitSchedule, default_max_inflight_bytes
+from lins_dtensor.schedule import USED_PARAMS_ALL_REDUCE, UnitSchedule, default_max_inflight_bytes
 from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
 
 _STATE_ATTR = "_lins_state"
@@ -50,27 +69,61 @@ _GRADIENT_HELD_MESSAGE = (
 
 
 @dataclasses.dataclass
+class StepProgress:
+    """Where the running optimizer step is, from its first forward to the end of
+    ``optimizer.step()``; :meth:`reset` ends it (after the step, or after a step that
+    raised: :meth:`LinsState.discard_step`). Written and read on the host, in program
+    order (no chain touches it)."""
+
+    forward_running: bool = False  # a root forward began and has not returned
+    backward_index: int = 0  # backward passes since the last optimizer step
+    in_backward: bool = False
+    sync: bool = False  # the running backward reduces to the OS layout
+    # The running backward hands the units' gradients on in one order on every rank
+    # (LinsState._hand_on): the units in it, the next one's index, and those that arrived early.
+    backward_order: list[LinsUnit] = dataclasses.field(default_factory=list)
+    handed_on: int = 0
+    waiting: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    # Units whose gradient arrived in the running backward, and the parameters given a
+    # gradient that refuses to be read (_mark_gradients_held) until the step or the next forward.
+    with_gradient: dict[int, LinsUnit] = dataclasses.field(default_factory=dict)
+    marked: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    # The ranks' agreement on which parameters took part (USED_PARAMS_ALL_REDUCE), started
+    # at the end of the step's last backward; stale once another backward has run.
+    used: HostAllReduce | None = None
+    used_stale: bool = False
+
+    @property
+    def started(self) -> bool:
+        return self.forward_running or self.in_backward or self.backward_index > 0
+
+    def reset(self) -> None:
+        if self.used is not None:
+            self.used.result()  # every rank started it: finish it everywhere
+        for param in self.marked:
+            param.grad = None
+        fresh = StepProgress()
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(fresh, field.name))
+
+
+@dataclasses.dataclass
 class LinsState:
     """Everything ``apply_lins`` attaches to a model (``model._lins_state``)."""
 
     ctx: ShardContext
     units: list[LinsUnit] = dataclasses.field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None  # set by lins_optimizer
+    fsdp_root: nn.Module | None = None  # the model, where P is sharded (FSDP2's root)
     # Which backward is the step's last (module docstring).
     requires_gradient_sync: bool | None = None  # set_requires_gradient_sync
     accumulation_steps: int | None = None  # set_gradient_accumulation_steps
     learned_steps: int | None = None  # backward passes in the previous step
-    backward_index: int = 0  # backward passes since the last optimizer step
-    in_backward: bool = False
-    sync: bool = False  # the running backward reduces to the OS layout
     warned_extra_backward: bool = False
+    progress: StepProgress = dataclasses.field(default_factory=StepProgress)
     # The order units run forward in, for the update gathers (seen on each forward).
     forward_order: list[LinsUnit] = dataclasses.field(default_factory=list)
     _seen: dict[int, LinsUnit] = dataclasses.field(default_factory=dict)
-    # Units whose gradient arrived in the running backward, and the parameters given a
-    # gradient that refuses to be read (_mark_gradients_held) until the step or the next forward.
-    _with_gradient: dict[int, LinsUnit] = dataclasses.field(default_factory=dict)
-    _marked: list[nn.Parameter] = dataclasses.field(default_factory=list)
 
     @property
     def mesh(self) -> LinsMesh:
@@ -92,29 +145,61 @@ class LinsState:
     def device(self) -> torch.device:
         return self.ctx.device
 
-    def masters(self) -> dict[str, nn.Parameter]:
-        """The fp32 masters by FQN. A model sharded on the meta device (torchtitan's way)
-        gets meta masters at apply time; they are made from the parameters here, once
-        those have been materialised and initialised."""
+    def materialize(self) -> None:
+        """Make the masters of a model sharded on the meta device (torchtitan's way), which
+        has meta masters from apply time, once its parameters have been materialised and
+        initialised; follow parameters the model replaced. Idempotent."""
         for unit in self.units:
             unit.materialize()
+
+    def masters(self) -> dict[str, nn.Parameter]:
+        """The masters (``master_dtype``) by FQN, as they are: meta until :meth:`materialize`."""
         return {fqn: m for unit in self.units for fqn, m in zip(unit.fqns, unit.masters)}
 
     def schedule(self) -> list[UnitSchedule]:
         return [UnitSchedule(unit.geometry, unit.is_root) for unit in self.units]
 
     # ----- backward: gradients in, reductions out ---------------------------------------
-    def on_gradient(self, unit: LinsUnit, rows: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    def on_gradient(self, unit: LinsUnit, rows: list[torch.Tensor], inputs: Sequence[torch.Tensor], used: Sequence[bool]) -> None:
         """A unit's backend hands over one backward pass's P-sharded gradient."""
-        if not self.in_backward:
+        progress = self.progress
+        if not progress.in_backward:
             self._begin_backward()
-        self._with_gradient.setdefault(id(unit), unit)
-        unit.accumulate(rows, self.sync, inputs)
+        progress.with_gradient.setdefault(id(unit), unit)
+        if id(unit) in progress.waiting:  # a second one in this backward (reentrant): the first goes on now
+            unit.accumulate(*progress.waiting.pop(id(unit)))
+        progress.waiting[id(unit)] = (rows, progress.sync, inputs, used)
+        self._hand_on()
         self.executor.pump()
 
+    def _hand_on(self, end: bool = False) -> None:
+        """Accumulate the gradients that arrived, in the backward order, which is the same
+        on every rank: their chains then issue their collectives in the same order
+        everywhere. Arrival order alone is not: a replicated unit's gradients go on once
+        all of its parameters have one, and one that a rank did not use in this backward
+        completes only at the backward's end (``end``), with zeros for it.
+
+        The backward order is the last forward's, reversed (units seen in no forward
+        last), which is the order gradients arrive in when every parameter takes part, so
+        nothing waits then."""
+        progress = self.progress
+        order = progress.backward_order
+        while progress.handed_on < len(order):
+            unit = order[progress.handed_on]
+            if id(unit) in progress.waiting:
+                unit.accumulate(*progress.waiting.pop(id(unit)))
+            elif not end:
+                return
+            progress.handed_on += 1
+
     def _begin_backward(self) -> None:
-        self.in_backward = True
-        self.sync = self._is_last_backward()
+        progress = self.progress
+        progress.in_backward = True
+        progress.used_stale = progress.used is not None
+        progress.sync = self._is_last_backward()
+        seen = set(map(id, self.forward_order))
+        progress.backward_order = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in seen]
+        progress.handed_on, progress.waiting = 0, {}
         queue_backward_callback(self._end_backward)
 
     def _is_last_backward(self) -> bool:
@@ -123,21 +208,26 @@ class LinsState:
         steps = self.accumulation_steps or self.learned_steps
         if steps is None:
             return False  # not known yet: reduce at the optimizer step
-        if self.accumulation_steps and self.backward_index >= steps and not self.warned_extra_backward:
+        index = self.progress.backward_index
+        if self.accumulation_steps and index >= steps and not self.warned_extra_backward:
             self.warned_extra_backward = True
             warnings.warn(
-                f"lins: backward pass {self.backward_index + 1} before optimizer.step() with "
+                f"lins: backward pass {index + 1} before optimizer.step() with "
                 f"set_gradient_accumulation_steps({steps}): every extra pass reduces its gradient across "
                 "G groups once more; tell Lins the real count", stacklevel=2,
             )
-        return self.backward_index + 1 >= steps
+        return index + 1 >= steps
 
     def _end_backward(self) -> None:
+        progress = self.progress
         for unit in self.units:
             unit.backend.end_backward()
-        self.in_backward = False
-        self.backward_index += 1
+        self._hand_on(end=True)
+        progress.in_backward = False
+        progress.backward_index += 1
         self._mark_gradients_held()
+        if progress.sync:  # the step's last backward: agree on what took part while the reductions run
+            self._start_used_agreement()
         self.executor.pump()
 
     def _mark_gradients_held(self) -> None:
@@ -145,16 +235,43 @@ class LinsState:
         ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would find None everywhere
         and clip nothing, silently. The parameters that had a gradient get one that
         raises, naming what to call instead, until the step (or the next forward)."""
-        for unit in self._with_gradient.values():
-            for param in unit.params:
-                param.grad = gradient_held_elsewhere(param, _GRADIENT_HELD_MESSAGE)
-                self._marked.append(param)
-        self._with_gradient = {}
+        progress = self.progress
+        for unit in progress.with_gradient.values():
+            for param, used in zip(unit.params, unit.grad_state.used):
+                if used:
+                    param.grad = gradient_held_elsewhere(param, _GRADIENT_HELD_MESSAGE)
+                    progress.marked.append(param)
+        progress.with_gradient = {}
 
     def _clear_gradient_marks(self) -> None:
-        for param in self._marked:
+        for param in self.progress.marked:
             param.grad = None
-        self._marked = []
+        self.progress.marked = []
+
+    # ----- which parameters took part --------------------------------------------------------------
+    def _start_used_agreement(self) -> None:
+        """Start the ranks' agreement on which parameters got a gradient in this step
+        (one byte each, MAX over every rank): PyTorch leaves a parameter that took part
+        nowhere untouched by the optimizer, and DDP gives one that took part on some
+        ranks the sum of theirs, which the G buffers' zeros already make."""
+        progress = self.progress
+        if progress.used is not None:
+            progress.used.result()  # an earlier one, stale: every rank started it too
+        flags = torch.tensor([u for unit in self.units for u in unit.grad_state.used], dtype=torch.uint8)
+        progress.used = HostAllReduce(self.recorder, USED_PARAMS_ALL_REDUCE, flags, self.mesh.host_group, op=dist.ReduceOp.MAX)
+        progress.used_stale = False
+
+    def _used_anywhere(self) -> list[list[bool]]:
+        """Per unit, which parameters took part in this step on some rank."""
+        progress = self.progress
+        if progress.used is None or progress.used_stale:
+            self._start_used_agreement()
+        flags = progress.used.result().tolist()
+        per_unit, start = [], 0
+        for unit in self.units:
+            per_unit.append([bool(f) for f in flags[start:start + len(unit.params)]])
+            start += len(unit.params)
+        return per_unit
 
     # ----- the optimizer step ---------------------------------------------------------------
     @torch.no_grad()
@@ -170,8 +287,8 @@ class LinsState:
                 unit.wait_update()
         for unit in self.units:
             unit.start_reduction()
-        for unit in self.units:
-            unit.finalize_grads()
+        for unit, used in zip(self.units, self._used_anywhere()):
+            unit.finalize_grads(used)
         self.executor.release_inputs()
 
     @torch.no_grad()
@@ -180,13 +297,31 @@ class LinsState:
         values to P, in the order the units run forward."""
         for unit in self.units:
             unit.end_step()
-        self._clear_gradient_marks()  # the step consumed the gradients, as zero_grad() would
-        if self.backward_index:
-            self.learned_steps = self.backward_index
-        self.backward_index = 0
+        if self.progress.backward_index:
+            self.learned_steps = self.progress.backward_index
+        self.progress.reset()  # the step consumed the gradients, as zero_grad() would
         for unit in self._update_order():
             unit.start_update()
         self.recorder.end_step()
+
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        """Forget a step that raised between its first forward and the end of
+        ``optimizer.step()`` (:func:`reset_step`): as if it never began. Its chains in
+        flight are waited for (every rank that reached them issued them; where ranks
+        disagree, the mesh's timeout ends the job naming the collective), FSDP2 is reset,
+        the G buffers count as empty, the backward count starts again, and the step's
+        records are dropped. The last step's update gathers are kept. Nothing happens
+        when no step is under way."""
+        if not self.progress.started:
+            return
+        self.executor.wait_all()
+        if self.fsdp_root is not None:
+            fsdp_reset_iter_state(self.fsdp_root)
+        for unit in self.units:
+            unit.end_step()
+        self.progress.reset()
+        self.recorder.discard_running_step()
 
     def _update_order(self) -> list[LinsUnit]:
         seen = set(map(id, self.forward_order))
@@ -197,9 +332,9 @@ class LinsState:
     # ----- forward: wait for the update where it is needed -------------------------------------
     def before_root_forward(self) -> None:
         self._seen = {}
+        self.progress.forward_running = True
         self._clear_gradient_marks()  # autograd must not accumulate into them
-        for unit in self.units:
-            unit.materialize()
+        self.materialize()
         # A unit whose forward did not run last time (its parameters are read by other
         # modules) is waited for here, before anything can read it.
         if self.forward_order:
@@ -231,6 +366,7 @@ class LinsState:
         return {id(u.backend.module): u for u in self.units if isinstance(u.backend, ShardedParams)}
 
     def after_root_forward(self) -> None:
+        self.progress.forward_running = False
         if torch.is_grad_enabled() or not self.forward_order:
             self.forward_order = list(self._seen.values())
 
@@ -295,6 +431,16 @@ def set_reduce_in_backward(model: nn.Module, enabled: bool) -> None:
         FutureWarning, stacklevel=2,
     )
     set_requires_gradient_sync(model, enabled)
+
+
+def reset_step(model: nn.Module) -> None:
+    """Forget a step that raised anywhere between its first forward and the end of
+    ``optimizer.step()`` (an out-of-memory error caught to retry with a smaller batch, a
+    non-finite loss, an interrupt), on every rank that raised: the next step runs as if
+    the failed one never began. ``optimizer.zero_grad()`` of a Lins optimizer calls it
+    (in PyTorch it discards the failed micro-batches' gradients); it does nothing while
+    no step is under way. FSDP2's counterpart is ``FSDPModule.reset_iter_state``."""
+    lins_state(model).discard_step()
 
 
 def wait_for_updates(model: nn.Module) -> None:
@@ -495,7 +641,7 @@ def apply_lins(
         float(mesh.dp_world_size if gradient_divide_factor is None else gradient_divide_factor), device,
         CommRecorder(mesh.ranks_per_node), stream, Executor(stream, max_inflight_bytes or 0),
     )
-    state = LinsState(ctx)
+    state = LinsState(ctx, fsdp_root=model if plan.params > 1 else None)
     unit_modules = unit_list + [model]
     names = {id(m): n for n, m in model.named_modules()}
     slices = {name: TensorParallelSlice.of(p) for name, p in params.items()}  # before FSDP2 swaps them
@@ -512,7 +658,7 @@ def apply_lins(
             [slices[n] for n in unit_names],
         )
         unit.make_masters()
-        backend.attach(ctx, lambda rows, inputs, u=unit: state.on_gradient(u, rows, inputs), unit.geometry)
+        backend.attach(ctx, lambda rows, inputs, used, u=unit: state.on_gradient(u, rows, inputs, used), unit.geometry)
         module.register_forward_pre_hook(lambda m, args, u=unit: state.before_unit_forward(u), prepend=True)
         if isinstance(backend, ShardedParams):
             _gather_updated_on_unshard(module, unit)
@@ -585,6 +731,7 @@ def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
         # Checkpoints hold the full-precision masters on the OS layout, the source of
         # truth; P is derived from them on load.
         state.wait_for_updates()
+        state.materialize()
         for fqn, master in state.masters().items():
             for key in (fqn, *aliases.get(fqn, ())):
                 state_dict[prefix + key] = master
@@ -595,7 +742,7 @@ def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
             if missing is not None:
                 raise LinsPlanError(f"the state dict has no entry '{prefix + missing}' (strict load): a checkpoint of another model?")
         state.wait_for_updates()
-        state.masters()  # materialise meta masters before loading into them
+        state.materialize()  # meta masters are made before loading into them
         loaded = False
         for unit in state.units:
             loaded |= unit.load_masters(state_dict, prefix)

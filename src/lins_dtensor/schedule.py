@@ -20,6 +20,8 @@ number of data-parallel ranks, and under tensor parallelism Φ is this rank's TP
   (wire (1/s_g - 1/s_os)·Φ·b_r), all-reduce over N/s_os of Φ/s_os·b_r
   (wire 2(1/s_os - 1/N)·Φ·b_r), then all-gathers of the updated values back to the P
   layout: over s_os/s_g (Φ/s_g·b_p) and over s_g/s_p (Φ/s_p·b_p).
+* flags   once per step, over every rank on the hosts (gloo): a MAX all-reduce of one
+  byte per parameter tensor, which of them took part in the step anywhere.
 
 Tensor parallelism's own collectives are not Lins': DTensor issues them on the TP
 group, the activations' all-gathers and reduce-scatters in forward and backward (the
@@ -71,7 +73,8 @@ class CollectiveSpec:
 
     ``layout`` names the level of :class:`UnitGeometry` whose buffer it moves; its
     message is that layout's whole buffer (``total``), or one chunk row (``chunk``)
-    for the all-reduce. ``dtype`` is "param", "reduce" or "float32".
+    for the all-reduce; "scalar" is one value, "flags" one per parameter of the model.
+    ``dtype`` is "param", "reduce", "float32" or "uint8".
     """
 
     name: str
@@ -93,6 +96,11 @@ OPTIM_ALL_REDUCE = CollectiveSpec("optim_all_reduce", "optim", Op.ALL_REDUCE, OP
 UPDATE_GATHER_OPTIM = CollectiveSpec("update_gather_optim", "optim", Op.ALL_GATHER, OPTIM_SHARD, Phase.STEP, "param", "optim")
 UPDATE_GATHER_GRAD = CollectiveSpec("update_gather_grad", "optim", Op.ALL_GATHER, GRAD_SHARD, Phase.STEP, "param", "grads")
 GRAD_NORM_ALL_REDUCE = CollectiveSpec("grad_norm_all_reduce", "optim", Op.ALL_REDUCE, None, Phase.STEP, "float32", "scalar")
+# Which parameters took part in the step on any rank (a MAX of one byte per parameter,
+# on the hosts' gloo group): those that took part nowhere get no optimizer update, as
+# in PyTorch. Once per step, started at the end of the step's last backward when Lins
+# knows it is the last, else at the step.
+USED_PARAMS_ALL_REDUCE = CollectiveSpec("used_params_all_reduce", "grads", Op.ALL_REDUCE, None, Phase.STEP, "uint8", "flags")
 
 ALL_SPECS = (
     PARAM_ALL_GATHER,
@@ -104,6 +112,7 @@ ALL_SPECS = (
     UPDATE_GATHER_OPTIM,
     UPDATE_GATHER_GRAD,
     GRAD_NORM_ALL_REDUCE,
+    USED_PARAMS_ALL_REDUCE,
 )
 
 
@@ -188,6 +197,8 @@ class UnitGeometry:
     def message_numel(self, spec: CollectiveSpec) -> int:
         if spec.layout == "scalar":
             return 1
+        if spec.layout == "flags":
+            return len(self.shapes)
         layout = self.layout(spec.layout)
         return layout.chunk_numel if spec.op is Op.ALL_REDUCE else layout.total_numel
 
@@ -237,18 +248,20 @@ def step_collectives(
 
     ``world_size`` and ``ranks_per_node`` count data-parallel ranks (the plan's); with
     tensor parallelism of degree ``tp`` the units' geometry is of this rank's TP slices,
-    and only the gradient norm's all-reduce spans the TP ranks too."""
-    dtype_bytes = {"param": param_bytes, "reduce": reduce_bytes, "float32": 4}
+    and only the host agreement and the gradient norm's all-reduce span the TP ranks too."""
+    dtype_bytes = {"param": param_bytes, "reduce": reduce_bytes, "float32": 4, "uint8": 1}
+    units = list(units)
     counts: dict[tuple, int] = {}
 
     def add(spec: CollectiveSpec, geometry: UnitGeometry | None, times: int, size: int | None = None, stride: int | None = None,
-            nodes: int | None = None) -> None:
+            nodes: int | None = None, numel: int | None = None) -> None:
         size = group_size(plan, world_size, spec.mesh_dim) if size is None else size
         if size == 1 or times == 0:
             return
         stride = group_stride(plan, spec.mesh_dim) if stride is None else stride
         nodes = nodes_spanned(size, stride, ranks_per_node) if nodes is None else nodes
-        numel = 1 if geometry is None else geometry.message_numel(spec)
+        if numel is None:
+            numel = 1 if geometry is None else geometry.message_numel(spec)
         key = (spec.name, spec.state, spec.op, size, nodes, numel * dtype_bytes[spec.dtype])
         counts[key] = counts.get(key, 0) + times
 
@@ -267,8 +280,10 @@ def step_collectives(
         add(OPTIM_ALL_REDUCE, g, 1)
         add(UPDATE_GATHER_OPTIM, g, 1)
         add(UPDATE_GATHER_GRAD, g, 1)
+    every_rank = dict(size=world_size * tp, nodes=nodes_spanned(world_size, 1, ranks_per_node))
+    add(USED_PARAMS_ALL_REDUCE, None, 1, numel=sum(unit.geometry.message_numel(USED_PARAMS_ALL_REDUCE) for unit in units), **every_rank)
     if clip_grad_norm:
-        add(GRAD_NORM_ALL_REDUCE, None, 1, size=world_size * tp, nodes=nodes_spanned(world_size, 1, ranks_per_node))
+        add(GRAD_NORM_ALL_REDUCE, None, 1, **every_rank)
     return [CollectiveRecord(*key, count=count) for key, count in counts.items()]
 
 

@@ -57,6 +57,7 @@ from lins_dtensor.compat import (
     foreach_add_,
     foreach_copy_,
     fsdp_reduce_scatter_unused_params,
+    fsdp_report_param_use,
     fsdp_unshard_async_op,
     map_floating_tensors,
 )
@@ -81,10 +82,11 @@ from lins_dtensor.schedule import (
     chain_buffer_bytes,
 )
 
-# Called with a unit's P-sharded gradient rows and the tensors they live in when the
+# Called with a unit's P-sharded gradient rows, the tensors they live in when the
 # caller's current stream made those (autograd's gradients; a chain holds them: see
-# lins_dtensor.executor), else nothing (the backend marked them for the side stream).
-GradientSink = Callable[[list[torch.Tensor], Sequence[torch.Tensor]], None]
+# lins_dtensor.executor) else nothing (the backend marked them for the side stream), and
+# which parameters got a gradient in this backward (the others' rows are zeros).
+GradientSink = Callable[[list[torch.Tensor], Sequence[torch.Tensor], Sequence[bool]], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,7 @@ class ShardedParams:
         self.module = module
         self.params = params
         self._stream: CommStream | None = None  # set by attach
+        self._used: list[bool] = [True] * len(params)  # reported by FSDP2's post-backward, read in its reduce
 
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's rows of each parameter, written in place by the update."""
@@ -170,8 +173,10 @@ class ShardedParams:
         # once at the step, after the gradient has been summed over the data-parallel ranks.
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
-        # Every parameter's gradient in every reduce, so the buffer layout is fixed.
+        # Every parameter's gradient in every reduce, so the buffer layout is fixed; which
+        # of them were zeros for want of a gradient is reported first.
         fsdp_reduce_scatter_unused_params(module)
+        fsdp_report_param_use(module, self._report_use)
 
         def on_reduced(reduce_output: torch.Tensor) -> None:
             # FSDP2 runs this on its all-reduce stream with the P-sharded gradient it
@@ -186,11 +191,14 @@ class ShardedParams:
                 )
             ctx.stream.use_on_current(reduce_output)
             ctx.stream.use_on_side(reduce_output)
-            sink(geometry.params.views(reduce_output, geometry.param_index), ())
+            sink(geometry.params.views(reduce_output, geometry.param_index), (), self._used)
 
         module.set_all_reduce_hook(on_reduced)
         for param in self.params:
             param.register_post_accumulate_grad_hook(_drop_grad)
+
+    def _report_use(self, used: list[bool]) -> None:
+        self._used = used
 
     def refresh(self) -> None:
         """FSDP2 keeps its sharded parameters itself (across to_empty too)."""
@@ -210,6 +218,9 @@ class ShardedParams:
     def end_backward(self) -> None:
         """FSDP2 reduces every unit whose forward ran; nothing is left over."""
 
+    def reset(self) -> None:
+        """FSDP2 recovers from a step that raised as a whole, at its root (LinsState)."""
+
     def memory_bytes(self) -> int:
         return sum(p.to_local().untyped_storage().nbytes() for p in self.params)
 
@@ -224,6 +235,7 @@ class ReplicatedParams:
         # model swaps in a new Parameter (to_empty after meta-device init does).
         where = {id(p): (m, name) for m in reversed(list(module.modules())) for name, p in m._parameters.items() if p is not None}
         self._slots = [where[id(p)] for p in params]
+        # This backward's gradients so far (autograd's), and how many have arrived.
         self._pending: list[torch.Tensor | None] = [None] * len(params)
         self._arrived = 0
         self._sink: GradientSink | None = None
@@ -301,17 +313,22 @@ class ReplicatedParams:
         """Send a bucket that some parameters never reached in this backward (unused
         parameters): their gradient is zero."""
         if self._arrived:
+            used = [g is not None for g in self._pending]
             for index, param in enumerate(self.params):
                 if self._pending[index] is None:
                     self._pending[index] = torch.zeros_like(local_values(param.detach()))
-            self._release()
+            self._release(used)
 
-    def _release(self) -> None:
+    def _release(self, used: Sequence[bool] | None = None) -> None:
         rows = [g.reshape(r, n) for g, (r, n) in zip(self._pending, self._rows)]
         inputs = tuple(self._pending)  # autograd's gradients, made on the current stream
+        self.reset()
+        self._sink(rows, inputs, [True] * len(self.params) if used is None else used)
+
+    def reset(self) -> None:
+        """Drop the gradients of a backward that did not finish (it raised)."""
         self._pending = [None] * len(self.params)
         self._arrived = 0
-        self._sink(rows, inputs)
 
     def before_forward(self, updated: object) -> None:
         """Parameters are read on the current stream, which the executor made wait."""
@@ -342,6 +359,29 @@ def _drop_grad(param: torch.Tensor) -> None:
 Backend = ShardedParams | ReplicatedParams
 
 
+@dataclasses.dataclass
+class StepGradient:
+    """A unit's gradient in the running optimizer step, from its first micro-batch to
+    the end of ``optimizer.step()``. :meth:`reset` ends it: after the step, or after a
+    step that raised (once nothing of it is in flight).
+
+    The wait rule: the fields marked (chain) are written by chain bodies, which the
+    executor runs after their submission, possibly much later; read or write them only
+    after ``executor.wait(chain)``."""
+
+    used: list[bool]  # which parameters got a gradient on this rank in this step
+    g_has_data: bool = False  # (chain) the G buffer holds gradient not yet reduced to the OS layout
+    os_grad: torch.Tensor | None = None  # (chain) the reduced OS-layout gradient, summed over the ranks
+    os_grad_is_g: bool = False  # (chain) ... which is the G buffer itself
+    chain: Chain | None = None  # the last chain that reads or writes the G buffer or os_grad
+    grads_ready: bool = False  # divided and handed to the masters' .grad
+
+    def reset(self) -> None:
+        self.used = [False] * len(self.used)
+        self.g_has_data = self.os_grad_is_g = self.grads_ready = False
+        self.os_grad = self.chain = None
+
+
 # ----- the unit ----------------------------------------------------------------------------
 class LinsUnit:
     """One unit's P (through its backend), G buffer and fp32 masters, and the chains
@@ -370,45 +410,42 @@ class LinsUnit:
         self.master_flat: torch.Tensor | None = None
         self.masters: list[nn.Parameter] = []
         self.local_masters: list[nn.Parameter] = []
-        # Gradient state of the current step.
-        self.g_has_data = False  # the G buffer holds gradient not yet reduced to the OS layout
-        self.os_grad: torch.Tensor | None = None  # reduced OS-layout gradient (summed over ranks)
-        self.os_grad_is_g = False  # ... which is the G buffer itself
-        self.grads_ready = False  # divided and handed to the masters' .grad
-        self.chain: Chain | None = None  # the last chain that reads or writes the G buffer or os_grad
+        self.grad_state = StepGradient([False] * len(self.params))
         self.update: Chain | None = None  # the gather of the last optimizer step's values into P
 
     # ----- every micro-batch: P-sharded gradient -> G buffer (-> OS layout) ----------------
     @torch.no_grad()
-    def accumulate(self, p_rows: list[torch.Tensor], sync: bool, inputs: Sequence[torch.Tensor] = ()) -> None:
+    def accumulate(self, p_rows: list[torch.Tensor], sync: bool, inputs: Sequence[torch.Tensor] = (),
+                   used: Sequence[bool] | None = None) -> None:
         """Add one micro-batch's gradient (this rank's P rows, any float dtype) into the
         G buffer; with ``sync`` (the step's last micro-batch) go on to the OS layout.
-        ``inputs``: what the rows live in, if the current stream made it (GradientSink)."""
-        ctx, g = self.ctx, self.geometry
-        ctx.executor.wait(self.chain)
-        if self.os_grad_is_g:
+        ``inputs`` and ``used``: as :data:`GradientSink` has them (default: all used)."""
+        ctx, g, state = self.ctx, self.geometry, self.grad_state
+        state.used = [a or b for a, b in zip(state.used, [True] * len(self.params) if used is None else used)]
+        ctx.executor.wait(state.chain)
+        if state.os_grad_is_g:
             # More micro-batches after this step's reduction (more than announced): the
             # reduced gradient moves out of the G buffer, and a second reduction adds to it.
-            self.os_grad, self.os_grad_is_g = self.os_grad.clone(), False
+            state.os_grad, state.os_grad_is_g = state.os_grad.clone(), False
         if g.grads.k == 1:
             views = g.grads.views(self.grad_buffer, 0)
-            (foreach_add_ if self.g_has_data else foreach_copy_)(views, p_rows)
-            self.g_has_data = True
+            (foreach_add_ if state.g_has_data else foreach_copy_)(views, p_rows)
+            state.g_has_data = True
             if sync:
                 self.start_reduction()
             return
         dims = (GRAD_SHARD, *self._reduction_dims()) if sync else (GRAD_SHARD,)
         held = self.buffer_bytes["grads"] + (self.buffer_bytes["optim"] if sync else 0)
         body = self._grad_body(p_rows, sync, ctx.recorder.step)
-        self.chain = ctx.executor.submit(Chain(f"{self.name}:grads", dims, body, held, inputs=inputs))
+        state.chain = ctx.executor.submit(Chain(f"{self.name}:grads", dims, body, held, inputs=inputs))
 
     def _grad_body(self, p_rows: list[torch.Tensor], sync: bool, step: int) -> Body:
         ctx, g = self.ctx, self.geometry
         packed = g.grads.pack(p_rows, ctx.empty(g.grads.total_numel))
         del p_rows  # the chain holds what they live in until its input stream may reuse it
-        first = not self.g_has_data
+        first = not self.grad_state.g_has_data
         out = self.grad_buffer if first else ctx.empty(g.grads.chunk_numel)
-        self.g_has_data = True
+        self.grad_state.g_has_data = True
         yield _request(ctx, GRAD_SHARD_REDUCE_SCATTER, step, start_reduce_scatter, out, packed)
         del packed
         if not first:
@@ -422,61 +459,67 @@ class LinsUnit:
 
     def start_reduction(self) -> None:
         """The G buffer -> the OS layout, summed over the data-parallel ranks (asynchronously)."""
-        self.ctx.executor.wait(self.chain)
-        if not self.g_has_data:
+        self.ctx.executor.wait(self.grad_state.chain)
+        if not self.grad_state.g_has_data:
             return
         dims = self._reduction_dims()
         if dims:
             body = self._reduction_body(self.ctx.recorder.step)
-            self.chain = self.ctx.executor.submit(Chain(f"{self.name}:optim", dims, body, self.buffer_bytes["optim"]))
+            self.grad_state.chain = self.ctx.executor.submit(Chain(f"{self.name}:optim", dims, body, self.buffer_bytes["optim"]))
         else:
             _run_local(self._reduction_body(self.ctx.recorder.step))
 
     def _reduction_body(self, step: int) -> Body:
-        ctx, g = self.ctx, self.geometry
+        ctx, g, state = self.ctx, self.geometry, self.grad_state
         g_rows = g.grads.views(self.grad_buffer, g.grad_index)
-        self.g_has_data = False
+        state.g_has_data = False
         out_is_g = False
         if g.optim.k > 1:
             packed = g.optim.pack(g_rows, ctx.empty(g.optim.total_numel))
             out = ctx.empty(g.optim.chunk_numel)
             yield _request(ctx, OPTIM_REDUCE_SCATTER, step, start_reduce_scatter, out, packed)
             del packed
-        elif g.os_is_g_chunk and self.os_grad is None:
+        elif g.os_is_g_chunk and state.os_grad is None:
             out, out_is_g = self.grad_buffer, True
         else:
             out = g.optim.pack(g_rows, ctx.empty(g.optim.chunk_numel))
         if ctx.replicas > 1:
             yield _request(ctx, OPTIM_ALL_REDUCE, step, start_all_reduce, out)
-        if self.os_grad is None:
-            self.os_grad, self.os_grad_is_g = out, out_is_g
+        if state.os_grad is None:
+            state.os_grad, state.os_grad_is_g = out, out_is_g
         else:
-            self.os_grad.add_(out)
+            state.os_grad.add_(out)
 
     # ----- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def finalize_grads(self) -> None:
-        """Wait for this step's reduction and hand the masters their gradients."""
-        if self.grads_ready:
+    def finalize_grads(self, used_anywhere: Sequence[bool]) -> None:
+        """Wait for this step's reduction and hand the masters their gradients: those of
+        parameters that took part on some rank (``used_anywhere``); the others keep
+        ``grad`` None, so that the optimizer leaves them as torch.optim does."""
+        state = self.grad_state
+        if state.grads_ready:
             return
         ctx, g = self.ctx, self.geometry
-        ctx.executor.wait(self.chain)
-        self.grads_ready = True
-        if self.os_grad is None:  # no gradient reached this unit in this step
+        ctx.executor.wait(state.chain)
+        state.grads_ready = True
+        if state.os_grad is None:  # no gradient reached this unit in this step
             return
-        ctx.stream.use_on_current(self.os_grad)
+        ctx.stream.use_on_current(state.os_grad)
         if ctx.gradient_divide_factor != 1.0:
-            self.os_grad.div_(ctx.gradient_divide_factor)
-        views = g.grads.views(self.os_grad, g.grad_index) if self.os_grad_is_g else g.optim.views(self.os_grad, g.optim_index)
-        for master, view, shape in zip(self.local_masters, views, g.local_shapes("optim")):
-            grad = view.view(shape)
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            state.os_grad.div_(ctx.gradient_divide_factor)
+        views = g.grads.views(state.os_grad, g.grad_index) if state.os_grad_is_g else g.optim.views(state.os_grad, g.optim_index)
+        for master, view, shape, used in zip(self.local_masters, views, g.local_shapes("optim"), used_anywhere):
+            if used:
+                grad = view.view(shape)
+                master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
 
     def end_step(self) -> None:
-        """After the optimizer: the step's gradient is consumed."""
+        """After the optimizer, or instead of it after a step that raised (nothing of
+        the step in flight any more): the step's gradient is gone."""
         for master in self.local_masters:
             master.grad = None
-        self.os_grad, self.os_grad_is_g, self.grads_ready = None, False, False
+        self.grad_state.reset()
+        self.backend.reset()
 
     # ----- after the step: masters -> P ---------------------------------------------------------
     def _update_dims(self) -> tuple[str, ...]:
