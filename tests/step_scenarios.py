@@ -162,10 +162,11 @@ def _blocks(model: torch.nn.Module) -> list[Block]:
 
 
 def recovery(configs: list[dict]) -> list[dict]:
-    """Each config: plan, fault (None, "forward", "backward" or "before_step"). Lins told
-    M=3; in step 2 the fault is injected on every rank (in forward of micro-batch 2,
-    in backward of micro-batch 2 between the two blocks, or after the last backward),
-    caught, ``opt.zero_grad()``, and the step done again. Returns the full masters and
+    """Each config: plan, fault (None, "forward", "backward", "before_step" or "in_step").
+    Lins told M=3; in step 2 the fault is injected on every rank (in forward of
+    micro-batch 2, in backward of micro-batch 2 between the two blocks, after the last
+    backward, or inside ``optimizer.step()`` once Lins has reduced the gradients and put
+    the masters in the param groups), caught, ``opt.zero_grad()``, and the step done again. Returns the full masters and
     whether the last step's recorded bytes match the schedule."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
@@ -182,7 +183,12 @@ def recovery(configs: list[dict]) -> list[dict]:
             if fault["armed"] and cfg["fault"] == "forward":
                 raise InjectedFault("injected in forward")
 
+        def raise_in_step(optimizer, args, kwargs):
+            if fault["armed"] and cfg["fault"] == "in_step":
+                raise InjectedFault("injected in optimizer.step()")
+
         second.register_forward_pre_hook(raise_in_forward)
+        opt.register_step_pre_hook(raise_in_step)  # after Lins' own
         first.register_forward_hook(lambda module, args, output: _Tripwire.apply(output))
         caught = []
         for step in range(RECOVERY_STEPS):
@@ -197,11 +203,12 @@ def recovery(configs: list[dict]) -> list[dict]:
                     if failing and cfg["fault"] == "before_step":
                         raise InjectedFault("injected before the step")
                     clip_grad_norm_(model, MAX_NORM)
+                    fault["armed"] = failing
                     opt.step()
                 except InjectedFault as error:
                     caught.append(str(error))
                 finally:
-                    _Tripwire.armed = False
+                    _Tripwire.armed = fault["armed"] = False
                 opt.zero_grad()
         masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
         results.append({"config": cfg, "masters": masters, "caught": caught,

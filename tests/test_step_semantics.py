@@ -54,11 +54,12 @@ def test_parameters_that_take_no_part_are_left_as_pytorch_leaves_them():
 def test_a_step_that_raised_leaves_no_trace_after_zero_grad():
     """World 4, M=3 told, 5 steps; step 2 raises on every rank (in forward of micro-batch
     2, in its backward between the blocks, or after the last backward), is caught,
-    ``opt.zero_grad()``, and done again: the masters are bitwise those of a run that never
+    ``opt.zero_grad()``, and done again (also after a fault inside ``optimizer.step()``, with
+    the masters in its param groups): the masters are bitwise those of a run that never
     failed, for P replicated, P in the node, fsdp and hpZ, and the last step's bytes are
     the schedule's. Before, the failed micro-batches stayed in the G buffers (~1e-2 off)."""
     plans = ["p=1,g=2,os=4", "p=2,g=2,os=4", "fsdp", "hpz:2"]
-    configs = [dict(plan=p, fault=f) for p in plans for f in (None, "forward", "backward", "before_step")]
+    configs = [dict(plan=p, fault=f) for p in plans for f in (None, "forward", "backward", "before_step", "in_step")]
     results = run(recovery, 4, configs)
     clean = {r["config"]["plan"]: r for r in results if r["config"]["fault"] is None}
     for result in results:

@@ -40,6 +40,7 @@ import functools
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,16 @@ _GRADIENT_HELD_MESSAGE = (
 )
 
 
+class _Arrival(NamedTuple):
+    """A unit's gradient from one backward, waiting for its turn (LinsState._hand_on):
+    :meth:`LinsUnit.accumulate`'s arguments."""
+
+    rows: list[torch.Tensor]
+    sync: bool
+    inputs: Sequence[torch.Tensor]
+    used: Sequence[bool]
+
+
 @dataclasses.dataclass
 class StepProgress:
     """Where the running optimizer step is, from its first forward to the end of
@@ -83,7 +94,7 @@ class StepProgress:
     # (LinsState._hand_on): the units in it, the next one's index, and those that arrived early.
     backward_order: list[LinsUnit] = dataclasses.field(default_factory=list)
     handed_on: int = 0
-    waiting: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    waiting: dict[int, _Arrival] = dataclasses.field(default_factory=dict)
     # Units whose gradient arrived in the running backward, and the parameters given a
     # gradient that refuses to be read (_mark_gradients_held) until the step or the next forward.
     with_gradient: dict[int, LinsUnit] = dataclasses.field(default_factory=dict)
@@ -168,7 +179,7 @@ class LinsState:
         progress.with_gradient.setdefault(id(unit), unit)
         if id(unit) in progress.waiting:  # a second one in this backward (reentrant): the first goes on now
             unit.accumulate(*progress.waiting.pop(id(unit)))
-        progress.waiting[id(unit)] = (rows, progress.sync, inputs, used)
+        progress.waiting[id(unit)] = _Arrival(rows, progress.sync, inputs, used)
         self._hand_on()
         self.executor.pump()
 
