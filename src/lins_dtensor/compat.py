@@ -1,6 +1,9 @@
 """The private torch APIs Lins uses, each behind one function that names the public API
 it waits for, and the differences between the torch releases Lins supports. Nothing
-else in lins_dtensor touches a private torch name or asks which torch it runs on.
+else in lins_dtensor asks which torch it runs on or touches a private torch name, with
+one exception: :class:`lins_dtensor.units.ReplicatedParams` reads ``nn.Module._parameters``
+to find the module attribute that holds each parameter (torch has no public lookup of
+it; ``named_parameters`` gives names, not the slot to watch for a replaced Parameter).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from lins_dtensor.compat import set_group_timeout
-from lins_dtensor.plan import LinsPlan, LinsPlanError
+from lins_dtensor.errors import LinsPlanError, LinsUsageError
+from lins_dtensor.plan import LinsPlan
 
 OPTIM_REPLICA = "optim_replica"  # N / s_os copies of each OS shard
 PARAM_SHARD = "param_shard"  # s_p ranks holding one parameter each
@@ -109,7 +110,7 @@ class LinsMesh:
         before ``apply_lins``: a sub-mesh of this mesh, so that FSDP2 and the masters
         can describe a parameter's TP and data-parallel sharding together."""
         if self.tp == 1:
-            raise LinsPlanError("this Lins mesh has no tensor-parallel dim: build it with build_lins_mesh(..., tp=k)")
+            raise LinsUsageError("this Lins mesh has no tensor-parallel dim: build it with build_lins_mesh(..., tp=k)")
         return self.device_mesh[TENSOR_PARALLEL]
 
     def placements(self, state: str, tp_placement: Placement | None = None) -> tuple[Placement, ...]:
@@ -121,7 +122,7 @@ class LinsMesh:
 
 def _check_timeout(timeout: object) -> None:
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise LinsPlanError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+        raise LinsUsageError(f"timeout={timeout!r} must be a positive datetime.timedelta")
 
 
 def _dp_placements(state: str) -> tuple[Placement, ...]:
@@ -165,9 +166,9 @@ def build_lins_mesh(
     if timeout is not None:
         _check_timeout(timeout)  # before the mesh's collectives
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise LinsPlanError(f"tp={tp!r} must be a positive integer (the tensor-parallel degree)")
+        raise LinsUsageError(f"tp={tp!r} must be a positive integer (the tensor-parallel degree)")
     if not dist.is_initialized():
-        raise LinsPlanError("build_lins_mesh needs torch.distributed to be initialised first")
+        raise LinsUsageError("build_lins_mesh needs torch.distributed to be initialised first")
     actual_world = dist.get_world_size()
     world_size = actual_world if world_size is None else world_size
     if ranks_per_node is None:

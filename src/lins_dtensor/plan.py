@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from lins_dtensor.errors import LinsPlanError
 
-class LinsPlanError(ValueError):
-    """A plan, mesh or model that Lins cannot run; the message names the rule."""
-
+__all__ = ["PRESET_NAMES", "STATES", "LinsPlan", "LinsPlanError", "valid_plans"]
 
 STATES = ("params", "grads", "optim")
 

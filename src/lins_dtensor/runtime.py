@@ -38,9 +38,10 @@ from lins_dtensor.collectives import CommRecorder, CommStream
 from lins_dtensor.compat import fsdp_forward_prefetch_modules, fsdp_unit_params, gradient_held_elsewhere, queue_backward_callback
 from lins_dtensor.executor import Executor
 from lins_dtensor.mesh import TENSOR_PARALLEL, LinsMesh, mesh_layout
-from lins_dtensor.plan import LinsPlan, LinsPlanError
+from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
+from lins_dtensor.plan import LinsPlan
 from lins_dtensor.schedule import UnitSchedule, default_max_inflight_bytes
-from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
+from lins_dtensor.units import LinsUnit, ParamBackend, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
 
 _STATE_ATTR = "_lins_state"
 _GRADIENT_HELD_MESSAGE = (
@@ -93,7 +94,7 @@ class LinsState:
         return self.ctx.device
 
     def masters(self) -> dict[str, nn.Parameter]:
-        """The fp32 masters by FQN. A model sharded on the meta device (torchtitan's way)
+        """The masters (in ``master_dtype``) by FQN. A model sharded on the meta device (torchtitan's way)
         gets meta masters at apply time; they are made from the parameters here, once
         those have been materialised and initialised."""
         for unit in self.units:
@@ -259,7 +260,7 @@ class LinsState:
 def lins_state(model: nn.Module) -> LinsState:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
-        raise LinsPlanError("this model has no Lins state: call apply_lins(model, mesh, plan) first")
+        raise LinsUsageError("this model has no Lins state: call apply_lins(model, mesh, plan) first")
     return state
 
 
@@ -269,7 +270,7 @@ def set_gradient_accumulation_steps(model: nn.Module, steps: int | None) -> None
     during backward, overlapped with it. ``None``: learn it from the previous step
     (the default; the first step then reduces at ``optimizer.step()``)."""
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise LinsPlanError(f"gradient_accumulation_steps={steps!r} must be a positive integer or None")
+        raise LinsUsageError(f"gradient_accumulation_steps={steps!r} must be a positive integer or None")
     state = lins_state(model)
     state.accumulation_steps = steps
     state.warned_extra_backward = False
@@ -281,7 +282,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool | 
     them to the optimizer layout during backward; ``None`` returns to counting
     (:func:`set_gradient_accumulation_steps`). Results are the same either way."""
     if requires_gradient_sync is not None and not isinstance(requires_gradient_sync, bool):
-        raise LinsPlanError(f"requires_gradient_sync={requires_gradient_sync!r} must be True, False or None")
+        raise LinsUsageError(f"requires_gradient_sync={requires_gradient_sync!r} must be True, False or None")
     lins_state(model).requires_gradient_sync = requires_gradient_sync
 
 
@@ -378,14 +379,14 @@ def resolve_units(model: nn.Module, units: Iterable[nn.Module] | type | tuple[ty
             if m is not model and isinstance(m, units) and not any(_nested(c, m) for c in chosen):
                 chosen.append(m)
         if not chosen:
-            raise LinsPlanError(f"units={units!r}: the model has no module of that class")
+            raise LinsUsageError(f"units={units!r}: the model has no module of that class")
         return chosen
     chosen = list(units)
     names = {id(m): n for n, m in model.named_modules()}
     if any(id(unit) not in names or unit is model for unit in chosen):
-        raise LinsPlanError("units= must list submodules of the model (the root is always a unit)")
+        raise LinsUsageError("units= must list submodules of the model (the root is always a unit)")
     for first, second in _tied_pairs(chosen)[:1]:
-        raise LinsPlanError(
+        raise LinsUsageError(
             f"units=: '{names[id(first)]}' and '{names[id(second)]}' share a parameter (tied weights); "
             "leave both out of units= so that the root unit holds it"
         )
@@ -394,34 +395,34 @@ def resolve_units(model: nn.Module, units: Iterable[nn.Module] | type | tuple[ty
 
 def _check_model(model: nn.Module, mesh: LinsMesh) -> None:
     if hasattr(model, _STATE_ATTR):
-        raise LinsPlanError("apply_lins was already applied to this model; apply it once")
+        raise LinsUsageError("apply_lins was already applied to this model; apply it once")
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise LinsPlanError("the model is wrapped in DistributedDataParallel; pass the bare module to apply_lins")
+        raise LinsUsageError("the model is wrapped in DistributedDataParallel; pass the bare module to apply_lins")
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            raise LinsPlanError(f"module '{name or '<root>'}' is already sharded by FSDP; apply_lins replaces fully_shard, do not combine them")
+            raise LinsUsageError(f"module '{name or '<root>'}' is already sharded by FSDP; apply_lins replaces fully_shard, do not combine them")
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
             if mesh.tp == 1:
-                raise LinsPlanError(
+                raise LinsUsageError(
                     f"parameter '{name}' is a DTensor (tensor parallelism?) but the Lins mesh has no TP dim: "
                     "build it with build_lins_mesh(plan, ..., tp=k) and parallelise the model on mesh.tp_mesh()"
                 )
             if param.device_mesh != mesh.tp_mesh():
-                raise LinsPlanError(
+                raise LinsUsageError(
                     f"parameter '{name}' is a DTensor on {param.device_mesh}, not on the Lins mesh's '{TENSOR_PARALLEL}' "
                     "dim: parallelise the model on mesh.tp_mesh() before apply_lins"
                 )
             if param.placements[0].is_partial():
-                raise LinsPlanError(f"parameter '{name}' is a Partial DTensor; tensor parallelism must shard or replicate parameters")
+                raise LinsUsageError(f"parameter '{name}' is a Partial DTensor; tensor parallelism must shard or replicate parameters")
             param = param.to_local()
         if type(param) not in (nn.Parameter, torch.Tensor):
-            raise LinsPlanError(
+            raise LinsUsageError(
                 f"parameter '{name}' is a {type(param).__name__} tensor subclass (float8 training, torchtitan's "
                 "[model] converters?); Lins shards plain tensors only: train it without the conversion"
             )
         if param.dim() == 0:
-            raise LinsPlanError(f"parameter '{name}' is 0-dimensional; FSDP2 shards dim 0, reshape it to (1,)")
+            raise LinsUsageError(f"parameter '{name}' is 0-dimensional; FSDP2 shards dim 0, reshape it to (1,)")
 
 
 def apply_lins(
@@ -457,17 +458,17 @@ def apply_lins(
     assumes): their gradients are not summed over the TP group.
     """
     if not isinstance(mesh, LinsMesh):
-        raise LinsPlanError("mesh must come from build_lins_mesh(plan, ...), not a plain DeviceMesh")
+        raise LinsUsageError("mesh must come from build_lins_mesh(plan, ...), not a plain DeviceMesh")
     plan = mesh.plan if plan is None else plan
     if plan != mesh.plan:
-        raise LinsPlanError(f"the mesh was built for plan '{mesh.plan}' but apply_lins got plan '{plan}'")
+        raise LinsUsageError(f"the mesh was built for plan '{mesh.plan}' but apply_lins got plan '{plan}'")
     dims, expected = mesh_layout(plan, mesh.dp_world_size, mesh.tp)
     if tuple(mesh.device_mesh.shape) != expected or mesh.device_mesh.mesh_dim_names != dims:
-        raise LinsPlanError(f"mesh shape {tuple(mesh.device_mesh.shape)} does not match plan '{plan}' (expected {expected})")
+        raise LinsUsageError(f"mesh shape {tuple(mesh.device_mesh.shape)} does not match plan '{plan}' (expected {expected})")
     if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
-        raise LinsPlanError(f"master_dtype={master_dtype!r} must be a floating-point torch.dtype or None")
+        raise LinsUsageError(f"master_dtype={master_dtype!r} must be a floating-point torch.dtype or None")
     if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0):
-        raise LinsPlanError(f"max_inflight_bytes={max_inflight_bytes!r} must be a non-negative integer or None")
+        raise LinsUsageError(f"max_inflight_bytes={max_inflight_bytes!r} must be a non-negative integer or None")
     _check_model(model, mesh)
     unit_list = resolve_units(model, units)
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -529,7 +530,7 @@ def apply_lins(
 def _make_backend(
     module: nn.Module, mesh: LinsMesh, mp_policy: MixedPrecisionPolicy, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
     frozen: set, claimed: set[int], is_root: bool,
-) -> Backend:
+) -> ParamBackend:
     """FSDP2 where P is sharded; where it is replicated, the module's parameters as they
     are (those no earlier unit took, as FSDP2 leaves nested units' parameters to them)."""
     plan = mesh.plan
@@ -593,7 +594,7 @@ def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
         if strict:  # one line naming the first missing key, before anything is loaded
             missing = next((fqn for unit in state.units for fqn in unit.fqns if prefix + fqn not in state_dict), None)
             if missing is not None:
-                raise LinsPlanError(f"the state dict has no entry '{prefix + missing}' (strict load): a checkpoint of another model?")
+                raise LinsCheckpointError(f"the state dict has no entry '{prefix + missing}' (strict load): a checkpoint of another model?")
         state.wait_for_updates()
         state.masters()  # materialise meta masters before loading into them
         loaded = False
