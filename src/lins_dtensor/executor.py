@@ -219,7 +219,7 @@ class Executor:
                 chain.end_event = self.stream.event_on_side()
                 return
         if request.dim != chain.dims[chain.issued]:
-            raise RuntimeError(f"Lins chain {chain.name} asked for a collective on {request.dim}, declared {chain.dims[chain.issued]}")
+            raise RuntimeError(f"lins: chain {chain.name} asked for a collective on {request.dim}, declared {chain.dims[chain.issued]}")
         chain.request = request
 
     # ----- waiting -------------------------------------------------------------------
@@ -265,4 +265,4 @@ class Executor:
                 return
             if other is chain:
                 break
-        raise RuntimeError(f"Lins executor cannot advance chain {chain.name}: nothing in flight ahead of it")
+        raise RuntimeError(f"lins: the executor cannot advance chain {chain.name}: nothing in flight ahead of it")

@@ -13,8 +13,6 @@ import re
 
 from lins_dtensor.errors import LinsPlanError
 
-__all__ = ["PRESET_NAMES", "STATES", "LinsPlan", "LinsPlanError", "valid_plans"]
-
 STATES = ("params", "grads", "optim")
 
 _TEXT_KEYS = {"p": "params", "g": "grads", "os": "optim", "hpz": "reshard_after_forward"}
