@@ -267,8 +267,14 @@ def lins_state(model: nn.Module) -> LinsState:
 def set_gradient_accumulation_steps(model: nn.Module, steps: int | None) -> None:
     """Tell Lins how many backward passes (micro-batches) each optimizer step
     accumulates, so that the last one reduces its gradients to the optimizer layout
-    during backward, overlapped with it. ``None``: learn it from the previous step
-    (the default; the first step then reduces at ``optimizer.step()``)."""
+    during backward, overlapped with it.
+
+    Args:
+        model (nn.Module): a model :func:`apply_lins` has sharded.
+        steps (int | None): backward passes per optimizer step; ``None``: learn it from
+            the previous step (the default; the first step then reduces at
+            ``optimizer.step()``).
+    """
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise LinsUsageError(f"gradient_accumulation_steps={steps!r} must be a positive integer or None")
     state = lins_state(model)
@@ -277,10 +283,16 @@ def set_gradient_accumulation_steps(model: nn.Module, steps: int | None) -> None
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool | None) -> None:
-    """FSDP2's convention for the following backward passes: ``False`` keeps their
-    gradients inside the G group (the optimizer step reduces them), ``True`` reduces
-    them to the optimizer layout during backward; ``None`` returns to counting
-    (:func:`set_gradient_accumulation_steps`). Results are the same either way."""
+    """FSDP2's convention for the following backward passes. Results are the same
+    either way.
+
+    Args:
+        model (nn.Module): a model :func:`apply_lins` has sharded.
+        requires_gradient_sync (bool | None): ``False`` keeps their gradients inside
+            the G group (the optimizer step reduces them), ``True`` reduces them to the
+            optimizer layout during backward; ``None`` returns to counting
+            (:func:`set_gradient_accumulation_steps`).
+    """
     if requires_gradient_sync is not None and not isinstance(requires_gradient_sync, bool):
         raise LinsUsageError(f"requires_gradient_sync={requires_gradient_sync!r} must be True, False or None")
     lins_state(model).requires_gradient_sync = requires_gradient_sync
@@ -305,7 +317,11 @@ def wait_for_updates(model: nn.Module) -> None:
     Lins spreads the updated values to the parameters asynchronously after
     ``optimizer.step()``; each unit's forward waits for its own, so training needs no
     call. Call it before reading parameters outside forward (``lins_stats``,
-    ``state_dict`` and checkpoint loading do)."""
+    ``state_dict`` and checkpoint loading do).
+
+    Args:
+        model (nn.Module): a model :func:`apply_lins` has sharded.
+    """
     lins_state(model).wait_for_updates()
 
 
@@ -438,24 +454,45 @@ def apply_lins(
 ) -> nn.Module:
     """Shard ``model`` in place under ``plan`` and return it.
 
-    ``mp_policy.param_dtype`` is the dtype parameters are stored (P) and computed in,
-    ``reduce_dtype`` the dtype gradients are reduced and accumulated in (G, default
-    fp32); the optimizer's masters are ``master_dtype``: by default the model's dtype,
-    or fp32 for a model built in bf16 / fp16 (an optimizer in half precision loses
-    updates smaller than its rounding). Gradients are averaged over the data-parallel
-    ranks (``gradient_divide_factor`` = their number, the world size without TP) unless
-    another factor is given, e.g. 1.0 to sum them. ``units`` are the modules to shard separately: a list of
-    modules, a block class (or tuple of classes: every outermost module of it), or None
-    for :func:`default_units`; the model itself is always the root unit, and holds the
-    parameters no unit does (tied weights among them).
-    ``max_inflight_bytes`` bounds the transient buffers of Lins' collectives in flight
-    (default: twice the largest unit's).
+    Each unit's parameters (P) are sharded s_p ways (FSDP2 ``fully_shard`` when s_p > 1),
+    its gradients (G) s_g ways and its masters and optimizer states (OS) s_os ways; Lins
+    runs the reductions and the update gathers between them (module docstring).
 
     Tensor parallelism: with a mesh built with ``tp=k``, first parallelise the model on
     ``mesh.tp_mesh()`` (torchtitan's TP plan or any ``parallelize_module`` plan); Lins
     then shards each rank's TP slice of every DTensor parameter under the plan. Plain
     parameters of such a model must be computed identically on the TP ranks (as FSDP2
     assumes): their gradients are not summed over the TP group.
+
+    Args:
+        model (nn.Module): the model, not yet wrapped by FSDP or DDP; it may be on the
+            meta device (its masters are made once it is materialised).
+        mesh (LinsMesh): from :func:`~lins_dtensor.build_lins_mesh`, built for ``plan``.
+        plan (LinsPlan | None): the sharding factors; ``None`` takes the mesh's.
+        mp_policy (MixedPrecisionPolicy | None): ``param_dtype`` is the dtype P is stored
+            and computed in (default: the model's), ``reduce_dtype`` the dtype gradients
+            are reduced and accumulated in (G, default fp32); ``output_dtype`` and
+            ``cast_forward_inputs`` act as in FSDP2.
+        gradient_divide_factor (float | None): what the summed gradients are divided by;
+            ``None``: the number of data-parallel ranks (the world size without TP), an
+            average; 1.0 sums them.
+        units (Iterable[nn.Module] | type | tuple[type, ...] | None): the modules to shard
+            separately: a list of submodules, a block class (or tuple of classes: every
+            outermost module of it), or ``None`` for :func:`default_units`. The model is
+            always the root unit, holding the parameters no unit does (tied weights
+            among them).
+        max_inflight_bytes (int | None): bound on the transient buffers of Lins'
+            collectives in flight; ``None``: twice the largest unit's.
+        master_dtype (torch.dtype | None): the dtype of the masters the optimizer steps;
+            ``None``: the model's dtype, or fp32 for a model built in bf16 / fp16 (an
+            optimizer in half precision loses updates smaller than its rounding).
+
+    Returns:
+        nn.Module: ``model`` itself, sharded.
+
+    Raises:
+        LinsUsageError: a mesh not built for ``plan``, a model Lins cannot shard
+            (already FSDP or DDP, a tensor subclass, ...), or an invalid argument.
     """
     if not isinstance(mesh, LinsMesh):
         raise LinsUsageError("mesh must come from build_lins_mesh(plan, ...), not a plain DeviceMesh")
