@@ -36,9 +36,9 @@ from torch.distributed.tensor import DTensor
 
 from lins_dtensor.collectives import CommRecorder, CommStream
 from lins_dtensor.compat import fsdp_forward_prefetch_modules, fsdp_unit_params, gradient_held_elsewhere, queue_backward_callback
+from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.executor import Executor
 from lins_dtensor.mesh import TENSOR_PARALLEL, LinsMesh, mesh_layout
-from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.schedule import UnitSchedule, default_max_inflight_bytes
 from lins_dtensor.units import LinsUnit, ParamBackend, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
@@ -302,7 +302,7 @@ def set_reduce_in_backward(model: nn.Module, enabled: bool) -> None:
     """Deprecated: Lins knows the last micro-batch by itself now. Same as
     ``set_requires_gradient_sync(model, enabled)``."""
     warnings.warn(
-        "set_reduce_in_backward is deprecated: Lins finds the last micro-batch itself "
+        "lins: set_reduce_in_backward is deprecated: Lins finds the last micro-batch itself "
         "(set_gradient_accumulation_steps(model, M) tells it up front); "
         "set_requires_gradient_sync(model, enabled) is the direct replacement",
         FutureWarning, stacklevel=2,

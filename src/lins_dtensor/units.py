@@ -61,6 +61,7 @@ from lins_dtensor.compat import (
     fsdp_unshard_async_op,
     map_floating_tensors,
 )
+from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.executor import Body, Chain, Executor, Request
 from lins_dtensor.layout import chunk_rows, chunk_start
 from lins_dtensor.mesh import (
@@ -70,7 +71,6 @@ from lins_dtensor.mesh import (
     TENSOR_PARALLEL,
     LinsMesh,
 )
-from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.schedule import (
     GRAD_SHARD_REDUCE_SCATTER,
@@ -162,31 +162,24 @@ class ParamBackend(Protocol):
 
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's part of each parameter (P), which the update gather writes in place."""
-        ...
 
     def attach(self, ctx: ShardContext, sink: GradientSink, geometry: UnitGeometry) -> None:
         """Start handing each backward's P-sharded gradient rows to ``sink``."""
-        ...
 
     def refresh(self) -> None:
         """Follow parameters the model replaced (``to_empty``, ``load_state_dict(assign=True)``)."""
-        ...
 
     def cast_(self, dtype: torch.dtype) -> None:
         """Store the parameters in ``dtype`` (``param_dtype``), once the masters hold their values."""
-        ...
 
     def before_forward(self, updated: object) -> None:
         """Make the streams that read P wait for the update event ``updated``."""
-        ...
 
     def end_backward(self) -> None:
         """At the end of a backward: hand over what the backward left unsent (unused parameters)."""
-        ...
 
     def memory_bytes(self) -> int:
         """Persistent bytes of this rank's P."""
-        ...
 
 
 class ShardedParams:
