@@ -70,3 +70,26 @@ def test_lins_groups_are_its_own_so_program_collectives_cannot_interleave():
     results = run(program_collectives_between_lins_chains, 4, "p=1,g=1,os=4", 10.0)
     assert results == {"shared_with_default_group": [], "message": "no error"}, results
 
+
+
+def test_lins_errors_say_lins_once_and_keep_their_kind_across_processes():
+    """The base class adds the prefix; a wrapper quotes ``detail``; spawned ranks send
+    errors back pickled, which rebuilds them from the full message."""
+    import pickle
+
+    import lins_dtensor
+    from lins_dtensor import LinsCheckpointError, LinsError, LinsPlanError, LinsUsageError
+    from lins_dtensor.errors import LinsConfigError, PlannerError
+    from lins_dtensor.plan import LinsPlanError as from_plan
+
+    assert from_plan is LinsPlanError is lins_dtensor.LinsPlanError
+    for kind in (LinsPlanError, LinsUsageError, LinsCheckpointError, LinsConfigError, PlannerError):
+        assert issubclass(kind, LinsError) and issubclass(kind, ValueError)
+        error = kind("x=1 must be 2")
+        assert str(error) == "lins: x=1 must be 2" and error.detail == "x=1 must be 2"
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is kind and str(again) == str(error)
+    assert not issubclass(LinsUsageError, LinsPlanError) and not issubclass(LinsCheckpointError, LinsPlanError)
+    with pytest.raises(LinsPlanError) as error:
+        lins_dtensor.LinsPlan.parse("zero4", 4)
+    assert str(error.value).startswith("lins: plan 'zero4': expected")

@@ -412,9 +412,9 @@ def state_memory_bytes(
     units: Iterable[UnitSchedule], *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4, optim_states: int = 2
 ) -> dict[str, int]:
     """Persistent bytes per rank of each state: P shards (FSDP2 keeps them padded),
-    G buffers (padded chunk rows) and OS (the fp32 masters' buffer, padded like the
-    update all-gather's input, plus ``optim_states`` tensors of the real size, 2 for
-    Adam)."""
+    G buffers (padded chunk rows) and OS (the masters' buffer, ``master_bytes`` an
+    element, padded like the update all-gather's input, plus ``optim_states`` tensors
+    of the real size, 2 for Adam)."""
     memory = {"params": 0, "grads": 0, "optim": 0}
     for unit in units:
         geo = unit.geometry

@@ -1,7 +1,7 @@
 """The TrainSpec's ``build_optimizers_fn``: the Lins optimizer behind torchtitan's container.
 
 :class:`LinsOptimizersContainer` is an ``OptimizersContainer`` whose optimizers are
-:func:`lins_dtensor.lins_optimizer` instances over the fp32 masters. Its state dict
+:func:`lins_dtensor.lins_optimizer` instances over the masters. Its state dict
 uses the same flat ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<key>`` keys as
 torchtitan's own container, so checkpoints are keyed by parameter FQN. It also owns
 gradient clipping: :meth:`clip_grad_norm_` clips through Lins (the model's parameters
