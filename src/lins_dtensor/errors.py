@@ -16,8 +16,9 @@ All derive from ``ValueError`` because ``LinsPlanError``, once raised for all of
 did. The usage and checkpoint errors do not derive from ``LinsPlanError``: the code that
 catches it (the planner, the torchtitan plan check) catches plan rules only, and a
 program that caught it around ``apply_lins`` or a checkpoint load should catch
-:class:`LinsError`. Internal invariants that only a Lins bug can break, and collective
-failures, stay ``RuntimeError`` (with the same prefix).
+:class:`LinsError`. Internal invariants that only a Lins bug can break, collective
+failures and a non-finite clipping norm (``RuntimeError`` in torch too) stay
+``RuntimeError``, with the same prefix.
 
 This module imports nothing from Lins: every other module may import it.
 """
