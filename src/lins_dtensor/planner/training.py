@@ -34,7 +34,7 @@ class RecomputePolicy:
 
 ActivationCheckpointing = Literal["none", "selective", "full"]
 """torchtitan's ``[activation_checkpoint] mode`` values the planner costs (``memory_budget``
-aside: torchtitan integration costs it as "selective")."""
+aside: the torchtitan integration costs it as "selective")."""
 
 # Per torchtitan mode: "full" wraps each block in a checkpoint (its whole forward re-runs);
 # "selective" is its op policy (torchtitan/distributed/activation_checkpoint.py,
