@@ -10,8 +10,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 
 from lins_dtensor import (
+    LinsError,
     LinsPlan,
-    LinsPlanError,
     apply_lins,
     build_lins_mesh,
     clip_grad_norm_,
@@ -25,10 +25,11 @@ from tiny_llama import batch, build_model, loss_fn
 
 
 def _message(fn) -> str:
+    """``"<error class>: <message>"`` of the Lins error ``fn`` raises."""
     try:
         fn()
-    except LinsPlanError as e:
-        return str(e)
+    except LinsError as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run
-from lins_dtensor import LinsPlan, LinsPlanError, valid_plans
+from lins_dtensor import LinsError, LinsPlan, LinsPlanError, valid_plans
 from scenarios import hooks_after_to_empty, reference, train_fsdp, train_lins
 from test_runtime import worst_rel_err
 
@@ -141,8 +141,8 @@ def _mesh_errors() -> list[str]:
         try:
             build_lins_mesh(LinsPlan.parse(plan, dist.get_world_size() // max(kwargs["tp"], 1)), device_type="cpu", **kwargs)
             out.append("")
-        except LinsPlanError as e:
-            out.append(str(e))
+        except LinsError as e:
+            out.append(f"{type(e).__name__}: {e}")
     # A TP model and a Lins mesh without a TP dim, or with one the model was not
     # parallelised on (torchtitan's own world mesh, say).
     from torch.distributed.device_mesh import init_device_mesh
@@ -156,18 +156,20 @@ def _mesh_errors() -> list[str]:
         try:
             apply_lins(tensor_parallelize(build_model(n_heads=4), other_tp), mesh)
             out.append("")
-        except LinsPlanError as e:
-            out.append(str(e))
+        except LinsError as e:
+            out.append(f"{type(e).__name__}: {e}")
     return out
 
 
 def test_bad_tp_layouts_are_one_line_errors():
     errors = run(_mesh_errors, 4)
     assert all(e and "\n" not in e for e in errors), errors
-    assert "tp=3 must divide ranks_per_node=2" in errors[0]
-    assert "optim=4 must divide the 2 data-parallel ranks (world_size / tp=2)" in errors[1]
-    assert "tp=0 must be a positive integer" in errors[2]
+    assert errors[0].startswith("LinsPlanError: lins: tp=3 must divide ranks_per_node=2")
+    assert errors[1].startswith("LinsPlanError: lins: optim=4 must divide the 2 data-parallel ranks (world_size / tp=2)")
+    assert errors[2].startswith("LinsUsageError: lins: tp=0 must be a positive integer")
+    assert errors[3].startswith("LinsUsageError: lins: parameter ")
     assert "is a DTensor (tensor parallelism?) but the Lins mesh has no TP dim" in errors[3]
+    assert errors[4].startswith("LinsUsageError: lins: parameter ")
     assert "not on the Lins mesh's 'tp' dim: parallelise the model on mesh.tp_mesh()" in errors[4]
 
 

@@ -88,7 +88,7 @@ def test_settings_lins_cannot_run_with_are_refused_in_one_line(section, key, val
     setattr(getattr(job_config, section), key, value)
     with pytest.raises(LinsConfigError) as error:
         check_parallelism(job_config)
-    assert str(error.value).startswith(expected) and "\n" not in str(error.value)
+    assert str(error.value).startswith("lins: " + expected) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,32 @@ def test_tensor_parallel_layouts_lins_cannot_run_are_refused_in_one_line(monkeyp
     job_config.parallelism.tensor_parallel_degree = tp
     with pytest.raises(LinsConfigError) as error:
         check_config(job_config)
-    assert str(error.value).startswith(expected) and "\n" not in str(error.value), str(error.value)
+    assert str(error.value).startswith("lins: " + expected) and "\n" not in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("reshard_after_forward", "sometimes", "[lins] reshard_after_forward = 'sometimes': must be one of 'plan', 'always', 'never'"),
+        ("grad_dtype", "float16", "[lins] grad_dtype = 'float16': must be one of '', 'float32', 'bfloat16'"),
+        ("hardware", "h300", "[lins] hardware = 'h300': unknown hardware preset 'h300'; known: a100-80gb,"),
+    ],
+)
+def test_lins_keys_with_fixed_values_are_checked_in_one_line(monkeypatch, key, value, expected):
+    """The Literal keys take only their values, and ``hardware`` only a planner preset."""
+    from torchtitan.config import JobConfig
+
+    from lins_dtensor.integrations.torchtitan.config import Lins
+    from lins_dtensor.integrations.torchtitan.plan import LinsConfigError, check_config
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    job_config = JobConfig()
+    job_config.lins = Lins(enable=True, plan="fsdp", ranks_per_node=2, **{key: value})
+    with pytest.raises(LinsConfigError) as error:
+        check_config(job_config)
+    assert str(error.value).startswith("lins: " + expected) and "\n" not in str(error.value), str(error.value)
+    job_config.lins = Lins(enable=True, plan="fsdp", ranks_per_node=2, hardware="H100")  # a preset's alias, any case
+    check_config(job_config)
 
 
 @pytest.mark.timeout(660)

@@ -1,6 +1,9 @@
 """The private torch APIs Lins uses, each behind one function that names the public API
 it waits for, and the differences between the torch releases Lins supports. Nothing
-else in lins_dtensor touches a private torch name or asks which torch it runs on.
+else in lins_dtensor asks which torch it runs on or touches a private torch name, with
+one exception: :class:`lins_dtensor.units.ReplicatedParams` reads ``nn.Module._parameters``
+to find the module attribute that holds each parameter (torch has no public lookup of
+it; ``named_parameters`` gives names, not the slot to watch for a replaced Parameter).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lins_dtensor.errors import LinsUsageError
 
 # The torch releases whose private APIs below match (pyproject's range,
 # scripts/test_torch_versions.sh); 2.13.0 is the one the test suite runs on. Outside the
@@ -122,8 +127,8 @@ def fsdp_reset_iter_state(root: nn.Module) -> None:
 
     Waits for: ``FSDPModule.reset_iter_state`` (torch 2.13) in every supported release."""
     if not hasattr(root, "reset_iter_state"):
-        raise RuntimeError(
-            f"lins: recovering from a step that raised needs FSDPModule.reset_iter_state (torch >= 2.13) where P is "
+        raise LinsUsageError(
+            f"recovering from a step that raised needs FSDPModule.reset_iter_state (torch >= 2.13) where P is "
             f"sharded; this is torch {torch.__version__}: restart from the last checkpoint instead"
         )
     root.reset_iter_state()

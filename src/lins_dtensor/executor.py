@@ -72,7 +72,9 @@ Body = Generator[Request, None, None]
 _START = "<start>"  # in the blocked set: an earlier chain has not started, so none after it may
 
 
-class _Phase(enum.Enum):
+class _ChainStage(enum.Enum):
+    """Where a chain is in its life (not a training phase: that is :class:`lins_dtensor.schedule.Phase`)."""
+
     NEW = "new"  # body not started
     RUNNING = "running"  # holding its buffers: a collective in flight or waiting its turn
     DONE = "done"
@@ -92,7 +94,7 @@ class Chain:
         self.transient_bytes = transient_bytes
         self.inputs = tuple(inputs)
         self.input_bytes = sum(t.numel() * t.element_size() for t in self.inputs)
-        self.phase = _Phase.NEW
+        self.stage = _ChainStage.NEW
         self.issued = 0  # collectives started
         self.flight: Flight | None = None
         self.request: Request | None = None
@@ -103,7 +105,7 @@ class Chain:
 
     @property
     def done(self) -> bool:
-        return self.phase is _Phase.DONE
+        return self.stage is _ChainStage.DONE
 
     def remaining_dims(self) -> tuple[str, ...]:
         return self.dims[self.issued :]
@@ -163,10 +165,10 @@ class Executor:
         if not self.chains:
             return
         blocked: set[str] = set()
-        held = sum(c.transient_bytes for c in self.chains if c.phase is _Phase.RUNNING)
+        held = sum(c.transient_bytes for c in self.chains if c.stage is _ChainStage.RUNNING)
         for chain in self.chains:
             held = self._advance(chain, blocked, held)
-            if chain.phase is _Phase.NEW:
+            if chain.stage is _ChainStage.NEW:
                 blocked.add(_START)  # chains start in submission order
         self.chains = [c for c in self.chains if not c.done]
 
@@ -181,7 +183,7 @@ class Executor:
                 continue
             if chain.remaining_dims()[0] in blocked:
                 break
-            if chain.phase is _Phase.NEW:
+            if chain.stage is _ChainStage.NEW:
                 if _START in blocked or (held and held + chain.transient_bytes > self.max_inflight_bytes):
                     break
                 held += chain.transient_bytes
@@ -208,18 +210,18 @@ class Executor:
                 chain.flight.join()
                 chain.flight = None
             else:
-                chain.phase = _Phase.RUNNING
+                chain.stage = _ChainStage.RUNNING
                 self.stream.side_waits(chain.ready_event)
             try:
                 request = next(chain.body)
                 if not self.stream.on_device:
                     chain.inputs = ()  # the body's first step copied them (packed) on the host
             except StopIteration:
-                chain.phase = _Phase.DONE
+                chain.stage = _ChainStage.DONE
                 chain.end_event = self.stream.event_on_side()
                 return
         if request.dim != chain.dims[chain.issued]:
-            raise RuntimeError(f"Lins chain {chain.name} asked for a collective on {request.dim}, declared {chain.dims[chain.issued]}")
+            raise RuntimeError(f"lins: chain {chain.name} asked for a collective on {request.dim}, declared {chain.dims[chain.issued]}")
         chain.request = request
 
     # ----- waiting -------------------------------------------------------------------
@@ -265,4 +267,4 @@ class Executor:
                 return
             if other is chain:
                 break
-        raise RuntimeError(f"Lins executor cannot advance chain {chain.name}: nothing in flight ahead of it")
+        raise RuntimeError(f"lins: the executor cannot advance chain {chain.name}: nothing in flight ahead of it")

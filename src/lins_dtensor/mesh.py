@@ -40,7 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from lins_dtensor.compat import set_group_timeout
-from lins_dtensor.plan import LinsPlan, LinsPlanError
+from lins_dtensor.errors import LinsPlanError, LinsUsageError
+from lins_dtensor.plan import LinsPlan
 
 OPTIM_REPLICA = "optim_replica"  # N / s_os copies of each OS shard
 PARAM_SHARD = "param_shard"  # s_p ranks holding one parameter each
@@ -52,9 +53,15 @@ TENSOR_PARALLEL = "tp"  # the TP group: k consecutive ranks; first in the dim or
 
 @dataclasses.dataclass(frozen=True)
 class LinsMesh:
-    """The DeviceMesh of one plan: the four data-parallel dims (MESH_DIMS), led by a
-    ``tp`` dim under tensor parallelism; plus the node size (ranks of the job) used to
-    tell links apart."""
+    """The DeviceMesh of one plan (build it with :func:`build_lins_mesh`).
+
+    Attributes:
+        device_mesh (DeviceMesh): the four data-parallel dims (``MESH_DIMS``), led by a
+            ``tp`` dim under tensor parallelism; every dim has process groups of its own.
+        plan (LinsPlan): the plan the mesh was built for.
+        ranks_per_node (int): ranks of the job per node (TP ranks included), which tells
+            intra-node links from inter-node ones.
+    """
 
     device_mesh: DeviceMesh
     plan: LinsPlan
@@ -113,7 +120,7 @@ class LinsMesh:
         before ``apply_lins``: a sub-mesh of this mesh, so that FSDP2 and the masters
         can describe a parameter's TP and data-parallel sharding together."""
         if self.tp == 1:
-            raise LinsPlanError("this Lins mesh has no tensor-parallel dim: build it with build_lins_mesh(..., tp=k)")
+            raise LinsUsageError("this Lins mesh has no tensor-parallel dim: build it with build_lins_mesh(..., tp=k)")
         return self.device_mesh[TENSOR_PARALLEL]
 
     def placements(self, state: str, tp_placement: Placement | None = None) -> tuple[Placement, ...]:
@@ -125,7 +132,7 @@ class LinsMesh:
 
 def _check_timeout(timeout: object) -> None:
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise LinsPlanError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+        raise LinsUsageError(f"timeout={timeout!r} must be a positive datetime.timedelta")
 
 
 def _dp_placements(state: str) -> tuple[Placement, ...]:
@@ -157,21 +164,33 @@ def build_lins_mesh(
 ) -> LinsMesh:
     """Validate ``plan`` and build its mesh (a collective: every rank must call it).
 
-    ``world_size`` and ``ranks_per_node`` count all ranks of the job and of a node;
-    ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE`` (set by torchrun), else the
-    world size; ``device_type`` to "cuda" when available, else "cpu". ``timeout``: how
-    long the mesh's collectives wait for a peer (:meth:`LinsMesh.set_timeout`; default:
-    the process groups' own, 30 minutes for gloo and NCCL). ``tp``: the tensor-parallel
-    degree; TP groups are ``tp`` consecutive ranks inside a node, the plan's factors
-    count the ``world_size / tp`` data-parallel ranks, and :meth:`LinsMesh.tp_mesh` is
-    the mesh to parallelise the model on.
+    Args:
+        plan (LinsPlan): the sharding factors, over the ``world_size / tp`` data-parallel ranks.
+        world_size (int | None): all ranks of the job; ``None``: the process group's.
+        ranks_per_node (int | None): ranks of one node; ``None``: ``LOCAL_WORLD_SIZE``
+            (set by torchrun), else the world size.
+        device_type (str | None): ``None``: "cuda" when available, else "cpu".
+        timeout (datetime.timedelta | None): how long the mesh's collectives wait for a
+            peer (:meth:`LinsMesh.set_timeout`); ``None``: the process groups' own, 30
+            minutes for gloo and NCCL.
+        tp (int): the tensor-parallel degree; TP groups are ``tp`` consecutive ranks
+            inside a node, and :meth:`LinsMesh.tp_mesh` is the mesh to parallelise the
+            model on.
+
+    Returns:
+        LinsMesh: the mesh to pass to :func:`~lins_dtensor.apply_lins`.
+
+    Raises:
+        LinsPlanError: ``plan`` breaks a rule for this cluster shape.
+        LinsUsageError: torch.distributed is not initialised, or ``tp`` or ``timeout``
+            is invalid.
     """
     if timeout is not None:
         _check_timeout(timeout)  # before the mesh's collectives
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise LinsPlanError(f"tp={tp!r} must be a positive integer (the tensor-parallel degree)")
+        raise LinsUsageError(f"tp={tp!r} must be a positive integer (the tensor-parallel degree)")
     if not dist.is_initialized():
-        raise LinsPlanError("build_lins_mesh needs torch.distributed to be initialised first")
+        raise LinsUsageError("build_lins_mesh needs torch.distributed to be initialised first")
     actual_world = dist.get_world_size()
     world_size = actual_world if world_size is None else world_size
     if ranks_per_node is None:

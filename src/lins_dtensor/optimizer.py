@@ -1,4 +1,4 @@
-"""Any ``torch.optim`` optimizer on the fp32 masters, which live on the OS layout.
+"""Any ``torch.optim`` optimizer on the masters (``master_dtype``), which live on the OS layout.
 
 The optimizer is a plain instance of the user's class. Its param groups hold the
 model's parameters, as torch.optim's do (so that torch.distributed.checkpoint.state_dict
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from lins_dtensor import collectives
 from lins_dtensor.compat import foreach_mul_, keep_own_state_dict
-from lins_dtensor.plan import LinsPlanError
+from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.runtime import LinsState, lins_state
 from lins_dtensor.units import local_values
 from lins_dtensor.schedule import GRAD_NORM_ALL_REDUCE
@@ -99,12 +99,27 @@ def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
                    **kwargs: Any) -> torch.optim.Optimizer:
     """``optimizer_cls(params, **kwargs)`` on the masters of the Lins model ``model``.
 
-    ``params`` is what torch.optim takes: the model's parameters, or param groups (dicts
-    whose ``"params"`` list them, with per-group options such as ``weight_decay=0.0``);
-    a parameter may also be given by its name. Default: every trainable parameter, one
-    group. Each trainable parameter must be in exactly one group, since Lins reduces and
+    Each trainable parameter must be in exactly one group, since Lins reduces and
     updates them all; frozen ones are skipped (they have no master). Collect parameters
-    after ``apply_lins``: FSDP2 replaces them (names work either way)."""
+    after ``apply_lins``: FSDP2 replaces them (names work either way).
+
+    Args:
+        model (nn.Module): a model :func:`~lins_dtensor.apply_lins` has sharded.
+        optimizer_cls (type[torch.optim.Optimizer]): any ``torch.optim`` optimizer class;
+            it steps this rank's OS shards of the masters.
+        params (ParamsArg | None): what torch.optim takes: the model's parameters, or
+            param groups (dicts whose ``"params"`` list them, with per-group options
+            such as ``weight_decay=0.0``); a parameter may also be given by its name.
+            ``None``: every trainable parameter, one group.
+        **kwargs: the optimizer's options (``lr``, ...), passed to ``optimizer_cls``.
+
+    Returns:
+        torch.optim.Optimizer: a plain ``optimizer_cls`` instance whose step hooks do
+        the Lins part, and whose state dict is keyed by parameter FQN.
+
+    Raises:
+        LinsUsageError: a parameter in no group or in two, or one not of the model.
+    """
     state = lins_state(model)
     state.materialize()
     masters = state.masters()
@@ -184,19 +199,19 @@ def _param_groups(model: nn.Module, state: LinsState, params: ParamsArg | None) 
                 continue
             if key not in fqn_of:
                 what = f"'{member}'" if isinstance(member, str) else f"a tensor of shape {tuple(member.shape)}"
-                raise LinsPlanError(
+                raise LinsUsageError(
                     f"optimizer param group {index}: {what} is not a trainable parameter of the model "
                     "(collected before apply_lins? FSDP2 replaces them: collect them after, or give their names)"
                 )
             fqn = fqn_of[key]
             if fqn in group_of:
-                raise LinsPlanError(f"parameter '{fqn}' is in optimizer param groups {group_of[fqn]} and {index}: give each parameter one group")
+                raise LinsUsageError(f"parameter '{fqn}' is in optimizer param groups {group_of[fqn]} and {index}: give each parameter one group")
             group_of[fqn] = index
             group_fqns.append(fqn)
         out.append(({k: v for k, v in group.items() if k != "params"}, group_fqns))
     for fqn in fqns:
         if fqn not in group_of:
-            raise LinsPlanError(f"parameter '{fqn}' is in no optimizer param group: Lins updates every trainable parameter, give it one")
+            raise LinsUsageError(f"parameter '{fqn}' is in no optimizer param group: Lins updates every trainable parameter, give it one")
     return out
 
 
@@ -279,7 +294,7 @@ def _keys_from_fqns(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
         names = fqns[start : start + len(current["params"])]
         saved_names = {fqns[p] if isinstance(p, int) else p for p in saved["params"]}
         if saved_names != set(names):
-            raise LinsPlanError(f"optimizer param group {number} holds other parameters than the checkpoint's group {number}")
+            raise LinsCheckpointError(f"optimizer param group {number} holds other parameters than the checkpoint's group {number}")
         groups.append({**saved, "params": [index[n] for n in names]})
         start += len(current["params"])
     state_dict["param_groups"] = groups
@@ -315,10 +330,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, e
     raises when read, so ``torch.nn.utils.clip_grad_norm_(model.parameters())`` fails
     with one line naming this function instead of clipping nothing.
     It reduces the gradients into the masters (the step then reuses them) and takes
-    the norm over the OS shards with one scalar all-reduce. A non-finite norm behaves
-    as in ``torch.nn.utils.clip_grad_norm_``: returned, and the gradients scaled by it,
-    or, with ``error_if_nonfinite``, a ``RuntimeError`` on every rank (all ranks see the
-    same reduced norm) before anything is scaled.
+    the norm over the OS shards with one scalar all-reduce.
+
+    Args:
+        model (nn.Module): a model :func:`~lins_dtensor.apply_lins` has sharded.
+        max_norm (float): the largest total norm the gradients keep.
+        norm_type (float): the order of the norm (``inf`` for the largest magnitude).
+        error_if_nonfinite (bool): as in ``torch.nn.utils.clip_grad_norm_``: ``False``
+            returns a non-finite norm and scales the gradients by it; ``True`` raises
+            ``RuntimeError`` on every rank (all ranks see the same reduced norm) before
+            anything is scaled.
+
+    Returns:
+        torch.Tensor: the total norm of the gradients before clipping (a scalar).
     """
     state = lins_state(model)
     state.reduce_gradients()

@@ -11,10 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-
-class LinsPlanError(ValueError):
-    """A plan, mesh or model that Lins cannot run; the message names the rule."""
-
+from lins_dtensor.errors import LinsPlanError
 
 STATES = ("params", "grads", "optim")
 
@@ -25,9 +22,14 @@ _TEXT_KEYS = {"p": "params", "g": "grads", "os": "optim", "hpz": "reshard_after_
 class LinsPlan:
     """Sharding factors s_p | s_g | s_os of the three model states.
 
-    ``reshard_after_forward`` is FSDP2's option: ``True`` frees gathered parameters
-    after forward, ``False`` keeps them until backward, and an int ``k`` keeps them
-    sharded over ``k`` ranks in between (ZeRO++ hpZ).
+    Attributes:
+        params (int): s_p, the data-parallel ranks each parameter (P) is sharded over.
+        grads (int): s_g, the same for gradients (G); a multiple of ``params``.
+        optim (int): s_os, the same for masters and optimizer states (OS); a multiple of
+            ``grads``.
+        reshard_after_forward (bool | int): FSDP2's option: ``True`` frees gathered
+            parameters after forward, ``False`` keeps them until backward, and an int
+            ``k`` keeps them sharded over ``k`` ranks in between (ZeRO++ hpZ).
     """
 
     params: int
@@ -43,6 +45,10 @@ class LinsPlan:
         Presets (N is ``world_size``): ``ddp`` (1,1,1), ``zero1`` (1,1,N), ``zero2``
         (1,N,N), ``zero3``/``fsdp`` (N,N,N), ``hsdp:k``/``mics:k`` (k,k,k) and
         ``hpz:k`` (N,N,N) with parameters re-sharded to k ranks after forward.
+
+        Args:
+            text (str): the plan text or preset name (case and spaces ignored).
+            world_size (int | None): N, the data-parallel ranks; presets need it.
         """
         spec = text.strip().lower()
         name, _, arg = spec.partition(":")
@@ -82,6 +88,11 @@ class LinsPlan:
         (groups of ``tp`` consecutive ranks inside a node), ``world_size`` and
         ``ranks_per_node`` are the data-parallel ranks of the job and of one node, the
         job's and node's ranks divided by ``tp``; the messages say so.
+
+        Args:
+            world_size (int): data-parallel ranks of the job.
+            ranks_per_node (int): data-parallel ranks of one node.
+            tp (int): the tensor-parallel degree next to them.
         """
         world_text = f"world_size={world_size}" if tp == 1 else f"the {world_size} data-parallel ranks (world_size / tp={tp})"
         node_text = f"ranks_per_node={ranks_per_node}" if tp == 1 else f"the {ranks_per_node} data-parallel ranks per node (ranks_per_node / tp={tp})"
@@ -161,8 +172,14 @@ PRESET_NAMES = tuple(sorted(_PRESETS))
 
 
 def valid_plans(world_size: int, ranks_per_node: int, *, with_hpz: bool = False, tp: int = 1) -> list[LinsPlan]:
-    """Every plan that :meth:`LinsPlan.validate` accepts for this cluster shape (data-
-    parallel ranks of the job and of a node, next to tensor parallelism of degree ``tp``)."""
+    """Every plan that :meth:`LinsPlan.validate` accepts for this cluster shape.
+
+    Args:
+        world_size (int): data-parallel ranks of the job.
+        ranks_per_node (int): data-parallel ranks of one node.
+        with_hpz (bool): also the hpZ variants (``reshard_after_forward=k``).
+        tp (int): the tensor-parallel degree next to them.
+    """
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     plans = []
     for p in divisors:

@@ -56,11 +56,12 @@ from lins_dtensor.compat import (
     gradient_held_elsewhere,
     queue_backward_callback,
 )
+from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.executor import Executor
 from lins_dtensor.mesh import TENSOR_PARALLEL, LinsMesh, mesh_layout
-from lins_dtensor.plan import LinsPlan, LinsPlanError
+from lins_dtensor.plan import LinsPlan
 from lins_dtensor.schedule import USED_PARAMS_ALL_REDUCE, UnitSchedule, default_max_inflight_bytes
-from lins_dtensor.units import Backend, LinsUnit, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
+from lins_dtensor.units import LinsUnit, ParamBackend, ReplicatedParams, ShardContext, ShardedParams, TensorParallelSlice
 
 _STATE_ATTR = "_lins_state"
 _GRADIENT_HELD_MESSAGE = (
@@ -406,29 +407,41 @@ class LinsState:
 def lins_state(model: nn.Module) -> LinsState:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
-        raise LinsPlanError("this model has no Lins state: call apply_lins(model, mesh, plan) first")
+        raise LinsUsageError("this model has no Lins state: call apply_lins(model, mesh, plan) first")
     return state
 
 
 def set_gradient_accumulation_steps(model: nn.Module, steps: int | None) -> None:
     """Tell Lins how many backward passes (micro-batches) each optimizer step
     accumulates, so that the last one reduces its gradients to the optimizer layout
-    during backward, overlapped with it. ``None``: learn it from the previous step
-    (the default; the first step then reduces at ``optimizer.step()``)."""
+    during backward, overlapped with it.
+
+    Args:
+        model (nn.Module): a model :func:`apply_lins` has sharded.
+        steps (int | None): backward passes per optimizer step; ``None``: learn it from
+            the previous step (the default; the first step then reduces at
+            ``optimizer.step()``).
+    """
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise LinsPlanError(f"gradient_accumulation_steps={steps!r} must be a positive integer or None")
+        raise LinsUsageError(f"gradient_accumulation_steps={steps!r} must be a positive integer or None")
     state = lins_state(model)
     state.accumulation_steps = steps
     state.warned_extra_backward = False
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool | None) -> None:
-    """FSDP2's convention for the following backward passes: ``False`` keeps their
-    gradients inside the G group (the optimizer step reduces them), ``True`` reduces
-    them to the optimizer layout during backward; ``None`` returns to counting
-    (:func:`set_gradient_accumulation_steps`). Results are the same either way."""
+    """FSDP2's convention for the following backward passes. Results are the same
+    either way.
+
+    Args:
+        model (nn.Module): a model :func:`apply_lins` has sharded.
+        requires_gradient_sync (bool | None): ``False`` keeps their gradients inside
+            the G group (the optimizer step reduces them), ``True`` reduces them to the
+            optimizer layout during backward; ``None`` returns to counting
+            (:func:`set_gradient_accumulation_steps`).
+    """
     if requires_gradient_sync is not None and not isinstance(requires_gradient_sync, bool):
-        raise LinsPlanError(f"requires_gradient_sync={requires_gradient_sync!r} must be True, False or None")
+        raise LinsUsageError(f"requires_gradient_sync={requires_gradient_sync!r} must be True, False or None")
     lins_state(model).requires_gradient_sync = requires_gradient_sync
 
 
@@ -436,7 +449,7 @@ def set_reduce_in_backward(model: nn.Module, enabled: bool) -> None:
     """Deprecated: Lins knows the last micro-batch by itself now. Same as
     ``set_requires_gradient_sync(model, enabled)``."""
     warnings.warn(
-        "set_reduce_in_backward is deprecated: Lins finds the last micro-batch itself "
+        "lins: set_reduce_in_backward is deprecated: Lins finds the last micro-batch itself "
         "(set_gradient_accumulation_steps(model, M) tells it up front); "
         "set_requires_gradient_sync(model, enabled) is the direct replacement",
         FutureWarning, stacklevel=2,
@@ -461,7 +474,11 @@ def wait_for_updates(model: nn.Module) -> None:
     Lins spreads the updated values to the parameters asynchronously after
     ``optimizer.step()``; each unit's forward waits for its own, so training needs no
     call. Call it before reading parameters outside forward (``lins_stats``,
-    ``state_dict`` and checkpoint loading do)."""
+    ``state_dict`` and checkpoint loading do).
+
+    Args:
+        model (nn.Module): a model :func:`apply_lins` has sharded.
+    """
     lins_state(model).wait_for_updates()
 
 
@@ -535,14 +552,14 @@ def resolve_units(model: nn.Module, units: Iterable[nn.Module] | type | tuple[ty
             if m is not model and isinstance(m, units) and not any(_nested(c, m) for c in chosen):
                 chosen.append(m)
         if not chosen:
-            raise LinsPlanError(f"units={units!r}: the model has no module of that class")
+            raise LinsUsageError(f"units={units!r}: the model has no module of that class")
         return chosen
     chosen = list(units)
     names = {id(m): n for n, m in model.named_modules()}
     if any(id(unit) not in names or unit is model for unit in chosen):
-        raise LinsPlanError("units= must list submodules of the model (the root is always a unit)")
+        raise LinsUsageError("units= must list submodules of the model (the root is always a unit)")
     for first, second in _tied_pairs(chosen)[:1]:
-        raise LinsPlanError(
+        raise LinsUsageError(
             f"units=: '{names[id(first)]}' and '{names[id(second)]}' share a parameter (tied weights); "
             "leave both out of units= so that the root unit holds it"
         )
@@ -551,34 +568,34 @@ def resolve_units(model: nn.Module, units: Iterable[nn.Module] | type | tuple[ty
 
 def _check_model(model: nn.Module, mesh: LinsMesh) -> None:
     if hasattr(model, _STATE_ATTR):
-        raise LinsPlanError("apply_lins was already applied to this model; apply it once")
+        raise LinsUsageError("apply_lins was already applied to this model; apply it once")
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise LinsPlanError("the model is wrapped in DistributedDataParallel; pass the bare module to apply_lins")
+        raise LinsUsageError("the model is wrapped in DistributedDataParallel; pass the bare module to apply_lins")
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            raise LinsPlanError(f"module '{name or '<root>'}' is already sharded by FSDP; apply_lins replaces fully_shard, do not combine them")
+            raise LinsUsageError(f"module '{name or '<root>'}' is already sharded by FSDP; apply_lins replaces fully_shard, do not combine them")
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
             if mesh.tp == 1:
-                raise LinsPlanError(
+                raise LinsUsageError(
                     f"parameter '{name}' is a DTensor (tensor parallelism?) but the Lins mesh has no TP dim: "
                     "build it with build_lins_mesh(plan, ..., tp=k) and parallelise the model on mesh.tp_mesh()"
                 )
             if param.device_mesh != mesh.tp_mesh():
-                raise LinsPlanError(
+                raise LinsUsageError(
                     f"parameter '{name}' is a DTensor on {param.device_mesh}, not on the Lins mesh's '{TENSOR_PARALLEL}' "
                     "dim: parallelise the model on mesh.tp_mesh() before apply_lins"
                 )
             if param.placements[0].is_partial():
-                raise LinsPlanError(f"parameter '{name}' is a Partial DTensor; tensor parallelism must shard or replicate parameters")
+                raise LinsUsageError(f"parameter '{name}' is a Partial DTensor; tensor parallelism must shard or replicate parameters")
             param = param.to_local()
         if type(param) not in (nn.Parameter, torch.Tensor):
-            raise LinsPlanError(
+            raise LinsUsageError(
                 f"parameter '{name}' is a {type(param).__name__} tensor subclass (float8 training, torchtitan's "
                 "[model] converters?); Lins shards plain tensors only: train it without the conversion"
             )
         if param.dim() == 0:
-            raise LinsPlanError(f"parameter '{name}' is 0-dimensional; FSDP2 shards dim 0, reshape it to (1,)")
+            raise LinsUsageError(f"parameter '{name}' is 0-dimensional; FSDP2 shards dim 0, reshape it to (1,)")
 
 
 def apply_lins(
@@ -594,37 +611,58 @@ def apply_lins(
 ) -> nn.Module:
     """Shard ``model`` in place under ``plan`` and return it.
 
-    ``mp_policy.param_dtype`` is the dtype parameters are stored (P) and computed in,
-    ``reduce_dtype`` the dtype gradients are reduced and accumulated in (G, default
-    fp32); the optimizer's masters are ``master_dtype``: by default the model's dtype,
-    or fp32 for a model built in bf16 / fp16 (an optimizer in half precision loses
-    updates smaller than its rounding). Gradients are averaged over the data-parallel
-    ranks (``gradient_divide_factor`` = their number, the world size without TP) unless
-    another factor is given, e.g. 1.0 to sum them. ``units`` are the modules to shard separately: a list of
-    modules, a block class (or tuple of classes: every outermost module of it), or None
-    for :func:`default_units`; the model itself is always the root unit, and holds the
-    parameters no unit does (tied weights among them).
-    ``max_inflight_bytes`` bounds the transient buffers of Lins' collectives in flight
-    (default: twice the largest unit's).
+    Each unit's parameters (P) are sharded s_p ways (FSDP2 ``fully_shard`` when s_p > 1),
+    its gradients (G) s_g ways and its masters and optimizer states (OS) s_os ways; Lins
+    runs the reductions and the update gathers between them (module docstring).
 
     Tensor parallelism: with a mesh built with ``tp=k``, first parallelise the model on
     ``mesh.tp_mesh()`` (torchtitan's TP plan or any ``parallelize_module`` plan); Lins
     then shards each rank's TP slice of every DTensor parameter under the plan. Plain
     parameters of such a model must be computed identically on the TP ranks (as FSDP2
     assumes): their gradients are not summed over the TP group.
+
+    Args:
+        model (nn.Module): the model, not yet wrapped by FSDP or DDP; it may be on the
+            meta device (its masters are made once it is materialised).
+        mesh (LinsMesh): from :func:`~lins_dtensor.build_lins_mesh`, built for ``plan``.
+        plan (LinsPlan | None): the sharding factors; ``None`` takes the mesh's.
+        mp_policy (MixedPrecisionPolicy | None): ``param_dtype`` is the dtype P is stored
+            and computed in (default: the model's), ``reduce_dtype`` the dtype gradients
+            are reduced and accumulated in (G, default fp32); ``output_dtype`` and
+            ``cast_forward_inputs`` act as in FSDP2.
+        gradient_divide_factor (float | None): what the summed gradients are divided by;
+            ``None``: the number of data-parallel ranks (the world size without TP), an
+            average; 1.0 sums them.
+        units (Iterable[nn.Module] | type | tuple[type, ...] | None): the modules to shard
+            separately: a list of submodules, a block class (or tuple of classes: every
+            outermost module of it), or ``None`` for :func:`default_units`. The model is
+            always the root unit, holding the parameters no unit does (tied weights
+            among them).
+        max_inflight_bytes (int | None): bound on the transient buffers of Lins'
+            collectives in flight; ``None``: twice the largest unit's.
+        master_dtype (torch.dtype | None): the dtype of the masters the optimizer steps;
+            ``None``: the model's dtype, or fp32 for a model built in bf16 / fp16 (an
+            optimizer in half precision loses updates smaller than its rounding).
+
+    Returns:
+        nn.Module: ``model`` itself, sharded.
+
+    Raises:
+        LinsUsageError: a mesh not built for ``plan``, a model Lins cannot shard
+            (already FSDP or DDP, a tensor subclass, ...), or an invalid argument.
     """
     if not isinstance(mesh, LinsMesh):
-        raise LinsPlanError("mesh must come from build_lins_mesh(plan, ...), not a plain DeviceMesh")
+        raise LinsUsageError("mesh must come from build_lins_mesh(plan, ...), not a plain DeviceMesh")
     plan = mesh.plan if plan is None else plan
     if plan != mesh.plan:
-        raise LinsPlanError(f"the mesh was built for plan '{mesh.plan}' but apply_lins got plan '{plan}'")
+        raise LinsUsageError(f"the mesh was built for plan '{mesh.plan}' but apply_lins got plan '{plan}'")
     dims, expected = mesh_layout(plan, mesh.dp_world_size, mesh.tp)
     if tuple(mesh.device_mesh.shape) != expected or mesh.device_mesh.mesh_dim_names != dims:
-        raise LinsPlanError(f"mesh shape {tuple(mesh.device_mesh.shape)} does not match plan '{plan}' (expected {expected})")
+        raise LinsUsageError(f"mesh shape {tuple(mesh.device_mesh.shape)} does not match plan '{plan}' (expected {expected})")
     if master_dtype is not None and not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
-        raise LinsPlanError(f"master_dtype={master_dtype!r} must be a floating-point torch.dtype or None")
+        raise LinsUsageError(f"master_dtype={master_dtype!r} must be a floating-point torch.dtype or None")
     if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0):
-        raise LinsPlanError(f"max_inflight_bytes={max_inflight_bytes!r} must be a non-negative integer or None")
+        raise LinsUsageError(f"max_inflight_bytes={max_inflight_bytes!r} must be a non-negative integer or None")
     _check_model(model, mesh)
     unit_list = resolve_units(model, units)
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -686,7 +724,7 @@ def apply_lins(
 def _make_backend(
     module: nn.Module, mesh: LinsMesh, mp_policy: MixedPrecisionPolicy, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
     frozen: set, claimed: set[int], is_root: bool,
-) -> Backend:
+) -> ParamBackend:
     """FSDP2 where P is sharded; where it is replicated, the module's parameters as they
     are (those no earlier unit took, as FSDP2 leaves nested units' parameters to them)."""
     plan = mesh.plan
@@ -751,7 +789,7 @@ def _install_state_dict_hooks(model: nn.Module, state: LinsState) -> None:
         if strict:  # one line naming the first missing key, before anything is loaded
             missing = next((fqn for unit in state.units for fqn in unit.fqns if prefix + fqn not in state_dict), None)
             if missing is not None:
-                raise LinsPlanError(f"the state dict has no entry '{prefix + missing}' (strict load): a checkpoint of another model?")
+                raise LinsCheckpointError(f"the state dict has no entry '{prefix + missing}' (strict load): a checkpoint of another model?")
         state.wait_for_updates()
         state.materialize()  # meta masters are made before loading into them
         loaded = False

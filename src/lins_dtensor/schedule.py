@@ -62,6 +62,8 @@ class Op(str, enum.Enum):
 
 
 class Phase(str, enum.Enum):
+    """The part of a training step a collective runs in (the cost model's phases)."""
+
     FORWARD = "forward"  # once per micro-batch
     BACKWARD = "backward"  # once per micro-batch
     STEP = "step"  # once per optimizer step
@@ -267,19 +269,19 @@ def step_collectives(
 
     hpz = plan.reshard_after_forward
     for unit in units:
-        g = unit.geometry
-        if not any(s.numel() for s in g.shapes):
+        geo = unit.geometry
+        if not any(s.numel() for s in geo.shapes):
             continue
-        add(PARAM_ALL_GATHER, g, microbatches)
+        add(PARAM_ALL_GATHER, geo, microbatches)
         if not unit.is_root and hpz is not False:
             regather_size = plan.params if hpz is True else hpz
-            add(PARAM_REGATHER, g, microbatches, size=regather_size, stride=1)
-        add(GRAD_REDUCE_SCATTER, g, microbatches)
-        add(GRAD_SHARD_REDUCE_SCATTER, g, microbatches)
-        add(OPTIM_REDUCE_SCATTER, g, 1)
-        add(OPTIM_ALL_REDUCE, g, 1)
-        add(UPDATE_GATHER_OPTIM, g, 1)
-        add(UPDATE_GATHER_GRAD, g, 1)
+            add(PARAM_REGATHER, geo, microbatches, size=regather_size, stride=1)
+        add(GRAD_REDUCE_SCATTER, geo, microbatches)
+        add(GRAD_SHARD_REDUCE_SCATTER, geo, microbatches)
+        add(OPTIM_REDUCE_SCATTER, geo, 1)
+        add(OPTIM_ALL_REDUCE, geo, 1)
+        add(UPDATE_GATHER_OPTIM, geo, 1)
+        add(UPDATE_GATHER_GRAD, geo, 1)
     every_rank = dict(size=world_size * tp, nodes=nodes_spanned(world_size, 1, ranks_per_node))
     add(USED_PARAMS_ALL_REDUCE, None, 1, numel=sum(unit.geometry.message_numel(USED_PARAMS_ALL_REDUCE) for unit in units), **every_rank)
     if clip_grad_norm:
@@ -357,10 +359,10 @@ def local_copy_bytes(
     hpz = plan.reshard_after_forward
     m = microbatches
     for unit in units:
-        g = unit.geometry
-        if not any(s.numel() for s in g.shapes):
+        geo = unit.geometry
+        if not any(s.numel() for s in geo.shapes):
             continue
-        full, p_numel, g_numel, os_numel = g.params.total_numel, g.params.chunk_numel, g.grads.chunk_numel, g.optim.chunk_numel
+        full, p_numel, g_numel, os_numel = geo.params.total_numel, geo.params.chunk_numel, geo.grads.chunk_numel, geo.optim.chunk_numel
         backward = 0
         if plan.params > 1:
             fsdp2 = fsdp2_copy_bytes(
@@ -373,13 +375,13 @@ def local_copy_bytes(
             grad_bytes = reduce_bytes  # FSDP2 hands Lins the reduced shard in the reduce dtype
         else:
             grad_bytes = param_bytes  # autograd's gradient, in the parameter dtype
-        if g.grads.k == 1:
+        if geo.grads.k == 1:
             backward += p_numel * (grad_bytes + reduce_bytes) + (m - 1) * p_numel * (grad_bytes + 2 * reduce_bytes)
         else:
-            backward += m * (p_numel * grad_bytes + g.grads.total_numel * reduce_bytes) + (m - 1) * 3 * g_numel * reduce_bytes
-        if g.optim.k > 1:
-            backward += (g_numel + g.optim.total_numel) * reduce_bytes
-        elif not g.os_is_g_chunk:
+            backward += m * (p_numel * grad_bytes + geo.grads.total_numel * reduce_bytes) + (m - 1) * 3 * g_numel * reduce_bytes
+        if geo.optim.k > 1:
+            backward += (g_numel + geo.optim.total_numel) * reduce_bytes
+        elif not geo.os_is_g_chunk:
             backward += 2 * os_numel * reduce_bytes
         copies[Phase.BACKWARD.value] += backward
         step = 2 * os_numel * reduce_bytes if divide else 0
@@ -387,7 +389,7 @@ def local_copy_bytes(
             step += os_numel * (reduce_bytes + master_bytes)
         if param_bytes != master_bytes:
             step += os_numel * (master_bytes + param_bytes)
-        if g.grads.k > 1 and not g.os_is_g_chunk:
+        if geo.grads.k > 1 and not geo.os_is_g_chunk:
             step += 2 * g_numel * param_bytes
         step += 2 * p_numel * param_bytes
         copies[Phase.STEP.value] += step
@@ -402,15 +404,15 @@ def chain_buffer_bytes(geometry: UnitGeometry, *, param_bytes: int, reduce_bytes
     output a later micro-batch adds); "optim", the reduction to the OS layout (packed
     input; its output is the optimizer's gradient, held until the step); "update", the
     gathers back to P (cast masters, gathered outputs, packed G chunk)."""
-    g = geometry
-    o_n, g_n = g.optim.chunk_numel, g.grads.chunk_numel
-    grads = (g.params.chunk_numel + g.grads.total_numel + g_n) * reduce_bytes if g.grads.k > 1 else 0
-    optim = g.optim.total_numel * reduce_bytes if g.optim.k > 1 else 0
+    geo = geometry
+    o_n, g_n = geo.optim.chunk_numel, geo.grads.chunk_numel
+    grads = (geo.params.chunk_numel + geo.grads.total_numel + g_n) * reduce_bytes if geo.grads.k > 1 else 0
+    optim = geo.optim.total_numel * reduce_bytes if geo.optim.k > 1 else 0
     update = o_n * param_bytes if param_bytes != master_bytes else 0
-    if g.optim.k > 1:
-        update += g.optim.total_numel * param_bytes
-    if g.grads.k > 1:
-        update += g.grads.total_numel * param_bytes + (0 if g.os_is_g_chunk else g_n * param_bytes)
+    if geo.optim.k > 1:
+        update += geo.optim.total_numel * param_bytes
+    if geo.grads.k > 1:
+        update += geo.grads.total_numel * param_bytes + (0 if geo.os_is_g_chunk else g_n * param_bytes)
     return {"grads": grads, "optim": optim, "update": update}
 
 
@@ -425,16 +427,16 @@ def state_memory_bytes(
     units: Iterable[UnitSchedule], *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4, optim_states: int = 2
 ) -> dict[str, int]:
     """Persistent bytes per rank of each state: P shards (FSDP2 keeps them padded),
-    G buffers (padded chunk rows) and OS (the fp32 masters' buffer, padded like the
-    update all-gather's input, plus ``optim_states`` tensors of the real size, 2 for
-    Adam)."""
+    G buffers (padded chunk rows) and OS (the masters' buffer, ``master_bytes`` an
+    element, padded like the update all-gather's input, plus ``optim_states`` tensors
+    of the real size, 2 for Adam)."""
     memory = {"params": 0, "grads": 0, "optim": 0}
     for unit in units:
-        g = unit.geometry
-        memory["params"] += g.params.chunk_numel * param_bytes
-        memory["grads"] += g.grads.chunk_numel * reduce_bytes
-        os_numel = sum(s.numel() for s in g.local_shapes("optim"))
-        memory["optim"] += (g.optim.chunk_numel + optim_states * os_numel) * master_bytes
+        geo = unit.geometry
+        memory["params"] += geo.params.chunk_numel * param_bytes
+        memory["grads"] += geo.grads.chunk_numel * reduce_bytes
+        os_numel = sum(s.numel() for s in geo.local_shapes("optim"))
+        memory["optim"] += (geo.optim.chunk_numel + optim_states * os_numel) * master_bytes
     return memory
 
 

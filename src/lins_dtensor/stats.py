@@ -15,6 +15,20 @@ from lins_dtensor.schedule import CollectiveRecord, summarize
 
 @dataclasses.dataclass(frozen=True)
 class LinsStats:
+    """One optimizer step's communication and this rank's memory, from :func:`lins_stats`.
+
+    Attributes:
+        plan (str): the plan, as ``LinsPlan`` prints it.
+        collectives (list[CollectiveRecord]): one finished optimizer step's collectives on
+            this rank (:mod:`lins_dtensor.schedule` names them).
+        timings (list[CommTiming]): each collective's timing, in the same order.
+        memory_bytes (dict[str, int]): persistent bytes per state ("params", "grads",
+            "optim") on this rank.
+        blocking (bool): whether reading device timings may block the host until their
+            events complete (``lins_stats(wait=True)``); else timings not yet complete
+            count as unmeasured.
+    """
+
     plan: str
     collectives: list[CollectiveRecord]  # one finished optimizer step (lins_stats), on this rank
     timings: list[CommTiming]  # one per record, same order
@@ -72,13 +86,21 @@ class LinsStats:
 def lins_stats(model: nn.Module, *, wait: bool = True) -> LinsStats:
     """The statistics of the last optimizer step whose collectives have all finished.
 
-    ``wait=True`` first waits for the last step's update gathers (still in flight until
-    the next forward needs them), so the answer is the last step, and on an accelerator
-    reading its collectives' times waits for their events. ``wait=False`` never blocks:
-    while the gathers are in flight it answers for the step before, and a collective
-    whose device events have not all completed counts as unmeasured; a metrics logger
-    should use it so that logging does not take the gathers' overlap with the next
-    forward away (the torchtitan integration does)."""
+    Args:
+        model (nn.Module): a model :func:`~lins_dtensor.apply_lins` has sharded.
+        wait (bool): ``True`` first waits for the last step's update gathers (still in
+            flight until the next forward needs them), so the answer is the last step,
+            and on an accelerator reading its collectives' times waits for their events.
+            ``False`` never blocks: while the gathers are in flight it answers for the
+            step before, and a collective whose device events have not all completed
+            counts as unmeasured; a metrics logger should use it so that logging does
+            not take the gathers' overlap with the next forward away (the torchtitan
+            integration does).
+
+    Returns:
+        LinsStats: the step's collectives (bytes, exposed and hidden time by state, op
+        and link) and this rank's persistent bytes per state.
+    """
     state = lins_state(model)
     if wait:
         state.wait_for_updates()

@@ -42,12 +42,12 @@ def main() -> int:
     import torchtitan.train as titan_train
     # isort: on
     from lins_dtensor.integrations.torchtitan.trainer import LinsTrainer
-    from lins_dtensor.plan import LinsPlanError
+    from lins_dtensor.errors import LinsError
 
     try:
         titan_train.main(LinsTrainer)  # parses sys.argv like torchtitan.train
-    except LinsPlanError as exc:
-        print(f"lins: error: {exc}", file=sys.stderr, flush=True)
+    except LinsError as exc:
+        print(f"lins: error: {exc.detail}", file=sys.stderr, flush=True)
         return 2
     return 0
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -61,6 +62,7 @@ from lins_dtensor.compat import (
     fsdp_unshard_async_op,
     map_floating_tensors,
 )
+from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.executor import Body, Chain, Executor, Request
 from lins_dtensor.layout import chunk_rows, chunk_start
 from lins_dtensor.mesh import (
@@ -70,7 +72,7 @@ from lins_dtensor.mesh import (
     TENSOR_PARALLEL,
     LinsMesh,
 )
-from lins_dtensor.plan import LinsPlan, LinsPlanError
+from lins_dtensor.plan import LinsPlan
 from lins_dtensor.schedule import (
     GRAD_SHARD_REDUCE_SCATTER,
     OPTIM_ALL_REDUCE,
@@ -151,6 +153,40 @@ class ShardContext:
 
 
 # ----- P backends ------------------------------------------------------------------------
+class ParamBackend(Protocol):
+    """What a :class:`LinsUnit` asks of the holder of its P layout (:class:`ShardedParams`
+    or :class:`ReplicatedParams`): the unit's parameters, their gradients handed to a
+    sink, and the hooks the unit calls around steps and forwards. ("Param": not a
+    process-group backend such as gloo or NCCL.)"""
+
+    module: nn.Module
+    params: list[nn.Parameter]
+
+    def local_shards(self) -> list[torch.Tensor]:
+        """This rank's part of each parameter (P), which the update gather writes in place."""
+
+    def attach(self, ctx: ShardContext, sink: GradientSink, geometry: UnitGeometry) -> None:
+        """Start handing each backward's P-sharded gradient rows to ``sink``."""
+
+    def refresh(self) -> None:
+        """Follow parameters the model replaced (``to_empty``, ``load_state_dict(assign=True)``)."""
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Store the parameters in ``dtype`` (``param_dtype``), once the masters hold their values."""
+
+    def before_forward(self, updated: object) -> None:
+        """Make the streams that read P wait for the update event ``updated``."""
+
+    def end_backward(self) -> None:
+        """At the end of a backward: hand over what the backward left unsent (unused parameters)."""
+
+    def reset(self) -> None:
+        """Drop what a backward that did not finish (it raised) left half-collected."""
+
+    def memory_bytes(self) -> int:
+        """Persistent bytes of this rank's P."""
+
+
 class ShardedParams:
     """P sharded s_p ways by FSDP2 ``fully_shard`` on the param_shard mesh."""
 
@@ -186,7 +222,7 @@ class ShardedParams:
             # made to wait before it is reused, as for autograd's gradients).
             if reduce_output.numel() != geometry.params.chunk_numel:
                 raise RuntimeError(
-                    f"Lins expected a {geometry.params.chunk_numel}-element gradient shard from FSDP2, got "
+                    f"lins: expected a {geometry.params.chunk_numel}-element gradient shard from FSDP2, got "
                     f"{reduce_output.numel()}; are some parameters unused without set_reduce_scatter_unused_params?"
                 )
             ctx.stream.use_on_current(reduce_output)
@@ -267,7 +303,7 @@ class ReplicatedParams:
             m, name = self._slots[i]
             new = m._parameters[name]
             if new.shape != self.params[i].shape or new.dtype != self.params[i].dtype or type(new) is not type(self.params[i]):
-                raise LinsPlanError(
+                raise LinsUsageError(
                     f"parameter '{name}' of {type(m).__name__} was replaced by a {type(new).__name__} of shape {tuple(new.shape)} "
                     f"and dtype {new.dtype}, Lins holds a {type(self.params[i]).__name__} of {tuple(self.params[i].shape)} "
                     f"{self.params[i].dtype}; replace values in place"
@@ -356,8 +392,6 @@ def _drop_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-Backend = ShardedParams | ReplicatedParams
-
 
 @dataclasses.dataclass
 class StepGradient:
@@ -384,11 +418,11 @@ class StepGradient:
 
 # ----- the unit ----------------------------------------------------------------------------
 class LinsUnit:
-    """One unit's P (through its backend), G buffer and fp32 masters, and the chains
+    """One unit's P (through its backend), G buffer and masters (``master_dtype``), and the chains
     that move its gradient to the OS layout and its update back to P."""
 
     def __init__(
-        self, ctx: ShardContext, backend: Backend, name: str, fqns: list[str], is_root: bool, slices: list[TensorParallelSlice]
+        self, ctx: ShardContext, backend: ParamBackend, name: str, fqns: list[str], is_root: bool, slices: list[TensorParallelSlice]
     ) -> None:
         self.ctx = ctx
         self.backend = backend
@@ -403,7 +437,7 @@ class LinsUnit:
             g, param_bytes=ctx.param_dtype.itemsize, reduce_bytes=ctx.reduce_dtype.itemsize, master_bytes=ctx.master_dtype.itemsize
         )
         self.grad_buffer = torch.zeros(g.grads.chunk_numel, dtype=ctx.reduce_dtype, device=ctx.device)
-        # fp32 masters on the OS layout: one flat buffer (the update gather's input),
+        # Masters (master_dtype) on the OS layout: one flat buffer (the update gather's input),
         # seen as DTensors (what checkpoints hold) and as plain local tensors (what the
         # optimizer steps; DTensor dispatch on a 4- or 5-D mesh would only add per-op
         # overhead to elementwise updates), all views of the same storage.
@@ -642,7 +676,7 @@ class LinsUnit:
             if value is master:  # loaded in place, e.g. by torch.distributed.checkpoint
                 continue
             if tuple(value.shape) != tuple(master.shape):  # before any collective (full_tensor)
-                raise LinsPlanError(
+                raise LinsCheckpointError(
                     f"checkpoint entry '{prefix + fqn}' has shape {tuple(value.shape)}, the model's parameter "
                     f"{tuple(master.shape)}: a checkpoint of another model?"
                 )
@@ -668,5 +702,5 @@ def _request(ctx: ShardContext, spec: CollectiveSpec, step: int, start: Callable
 def _run_local(body: Body) -> None:
     """Run a chain body that issues no collective (its levels are all one rank wide)."""
     for request in body:
-        raise RuntimeError(f"Lins: a local-only move asked for a collective on {request.dim}")
+        raise RuntimeError(f"lins: a local-only move asked for a collective on {request.dim}")
 

@@ -341,7 +341,7 @@ def _one_rank_fsdp2_copy_bytes(units: Iterable[UnitSchedule]) -> int:
     """
     total = 0
     for unit in units:
-        g = unit.geometry
-        own = fsdp2_copy_bytes(g.params.total_numel, g.params.chunk_numel, True, microbatches=1, param_bytes=4, reduce_bytes=4)
-        total += sum(own.values()) + 2 * g.message_numel(GRAD_REDUCE_SCATTER) * 4
+        geo = unit.geometry
+        own = fsdp2_copy_bytes(geo.params.total_numel, geo.params.chunk_numel, True, microbatches=1, param_bytes=4, reduce_bytes=4)
+        total += sum(own.values()) + 2 * geo.message_numel(GRAD_REDUCE_SCATTER) * 4
     return total

@@ -112,7 +112,7 @@ class Planning:
         try:
             plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap))
         except PlannerError as exc:
-            return {"plan": None, "error": str(exc)}
+            return {"plan": None, "error": exc.detail}
         return {
             "plan": str(plan), "reason": ex.reason, "predicted_step_s": ex.cost.step_s,
             "predicted_peak_bytes": ex.cost.memory.peak, "valid_plans": len(ex.ranked) + len(ex.dropped),

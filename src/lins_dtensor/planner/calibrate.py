@@ -216,7 +216,7 @@ def predict(run: CalibrationRun, hardware: HardwareSpec, m: Measurement) -> Plan
         plan = LinsPlan.parse(m.plan, world_size=cluster.gpus)
         plan.validate(cluster.gpus, cluster.gpus_per_node)
     except LinsPlanError as exc:
-        raise PlannerError(f"measured plan '{m.plan}': {exc}") from None
+        raise PlannerError(f"measured plan '{m.plan}': {exc.detail}") from None
     return evaluate(plan, run.model, cluster, training)
 
 

@@ -10,8 +10,9 @@ import argparse
 import dataclasses
 import json
 import sys
+import typing
 
-from lins_dtensor.plan import LinsPlanError
+from lins_dtensor.errors import LinsError, LinsPlanError
 from lins_dtensor.planner.bandwidth import BandwidthTable
 from lins_dtensor.planner.calibrate import run_calibrate
 from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, GiB, hardware_preset, load_hardware
@@ -20,7 +21,7 @@ from lins_dtensor.planner.profile import run_profile
 from lins_dtensor.planner.report import to_json, to_text
 from lins_dtensor.planner.search import Explanation, search
 from lins_dtensor.planner.sweep import SWEEPABLE, SweepPoint, parse_sweep, plot_sweep, sweep_json, sweep_text
-from lins_dtensor.planner.training import TrainingSpec
+from lins_dtensor.planner.training import ActivationCheckpointing, TrainingSpec
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # --model custom: flag -> decoder_spec argument (--kv-heads may be left out: no GQA)
@@ -56,7 +57,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step (default: one micro-batch per rank)")
-    p.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=("none", "selective", "full"),
+    p.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=typing.get_args(ActivationCheckpointing),
                    help="recompute in backward: none, selective (torchtitan's per-op policy) or full (the bare flag)")
     p.add_argument("--bandwidth", metavar="FILE", help="JSON table from 'lins-plan profile'")
     p.add_argument("--memory-budget-gib", type=float, default=None, help="usable memory per rank (default: device memory less a reserve)")
@@ -138,7 +139,7 @@ def search_tp(args: argparse.Namespace) -> tuple[Explanation, list[dict]]:
             model, cluster, training = build_inputs(argparse.Namespace(**{**vars(args), "tp": str(tp)}))
             ex = search(model, cluster, training, tie_tolerance=args.tie_tolerance)
         except (PlannerError, LinsPlanError) as exc:
-            tried.append({"tp": tp, "plan": None, "step_s": None, "note": str(exc)})
+            tried.append({"tp": tp, "plan": None, "step_s": None, "note": exc.detail})
             continue
         tried.append({"tp": tp, "plan": str(ex.plan), "step_s": ex.cost.step_s, "note": ""})
         if best is None or ex.cost.step_s < best.cost.step_s:
@@ -205,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "calibrate":
             return run_calibrate(argv[1:])
         return run_plan(argv)
-    except (PlannerError, LinsPlanError) as exc:
-        print(f"lins-plan: error: {exc}", file=sys.stderr)
+    except LinsError as exc:
+        print(f"lins-plan: error: {exc.detail}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lins-plan: interrupted", file=sys.stderr)

@@ -20,13 +20,10 @@ from pathlib import Path
 
 from torch import nn
 
+from lins_dtensor.errors import PlannerError
 from lins_dtensor.runtime import default_units
 
 Shape = tuple[int, ...]
-
-
-class PlannerError(ValueError):
-    """Bad planner input (unknown preset, impossible cluster, nothing fits); one line."""
 
 
 def read_json(path: str | Path, what: str) -> object:

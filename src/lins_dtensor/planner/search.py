@@ -82,7 +82,7 @@ def baseline_plans(world: int, ranks_per_node: int, tp: int = 1) -> list[tuple[s
             plan = LinsPlan.parse(text, world)
             plan.validate(world, ranks_per_node, tp)
         except LinsPlanError as exc:
-            out.append((label, None, f"n/a on this cluster: {exc}"))
+            out.append((label, None, f"n/a on this cluster: {exc.detail}"))
             continue
         out.append((label, plan, ""))
     return out

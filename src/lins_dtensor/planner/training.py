@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import Literal
 
-from lins_dtensor.planner.models import PlannerError
+from lins_dtensor.errors import PlannerError
 from lins_dtensor.schedule import Op
 
 
@@ -30,10 +32,14 @@ class RecomputePolicy:
         return self.matmul_every > 0 and (index + 1) % self.matmul_every == 0
 
 
+ActivationCheckpointing = Literal["none", "selective", "full"]
+"""torchtitan's ``[activation_checkpoint] mode`` values the planner costs (``memory_budget``
+aside: the torchtitan integration costs it as "selective")."""
+
 # Per torchtitan mode: "full" wraps each block in a checkpoint (its whole forward re-runs);
 # "selective" is its op policy (torchtitan/distributed/activation_checkpoint.py,
 # _apply_op_sac, with llama3's _op_sac_save_list: mm, SDPA and reduce_scatter saved).
-RECOMPUTED_FORWARD = {
+RECOMPUTED_FORWARD: dict[ActivationCheckpointing, RecomputePolicy] = {
     "none": RecomputePolicy(0, attention=False, elementwise=False, tp_collectives=()),
     "selective": RecomputePolicy(2, attention=False, elementwise=True, tp_collectives=(Op.ALL_GATHER,)),
     "full": RecomputePolicy(1, attention=True, elementwise=True, tp_collectives=(Op.ALL_GATHER, Op.REDUCE_SCATTER)),
@@ -63,7 +69,7 @@ class TrainingSpec:
     seq_len: int = 4096
     micro_batch: int = 1
     global_batch_tokens: int | None = None
-    activation_checkpointing: str = "none"
+    activation_checkpointing: ActivationCheckpointing = "none"
     param_bytes: int = 2
     reduce_bytes: int = 4
     master_bytes: int = 4
@@ -77,9 +83,10 @@ class TrainingSpec:
     clip_grad_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.activation_checkpointing not in RECOMPUTED_FORWARD:
+        if self.activation_checkpointing not in typing.get_args(ActivationCheckpointing):
             raise PlannerError(
-                f"activation_checkpointing={self.activation_checkpointing!r} must be one of {', '.join(RECOMPUTED_FORWARD)}"
+                f"activation_checkpointing={self.activation_checkpointing!r} must be one of "
+                f"{', '.join(typing.get_args(ActivationCheckpointing))}"
             )
         if self.seq_len < 1 or self.micro_batch < 1:
             raise PlannerError(f"seq_len={self.seq_len} and micro_batch={self.micro_batch} must be >= 1")

@@ -117,7 +117,7 @@ def _load_corpus(path: str):
         file = file / CORPUS_FILE
     if not file.exists():
         raise FileNotFoundError(
-            f"dataset '{DATASET_NAME}': {file} does not exist; it is written on first run when "
+            f"lins: dataset '{DATASET_NAME}': {file} does not exist; it is written on first run when "
             "[lins] offline_assets = true and training.dataset_path (or model.hf_assets_path) names its folder"
         )
     rows = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]

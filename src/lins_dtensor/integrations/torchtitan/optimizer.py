@@ -1,7 +1,7 @@
 """The TrainSpec's ``build_optimizers_fn``: the Lins optimizer behind torchtitan's container.
 
 :class:`LinsOptimizersContainer` is an ``OptimizersContainer`` whose optimizers are
-:func:`lins_dtensor.lins_optimizer` instances over the fp32 masters. Its state dict
+:func:`lins_dtensor.lins_optimizer` instances over the masters. Its state dict
 uses the same flat ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<key>`` keys as
 torchtitan's own container, so checkpoints are keyed by parameter FQN. It also owns
 gradient clipping: :meth:`clip_grad_norm_` clips through Lins (the model's parameters
@@ -18,6 +18,7 @@ from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 
 from lins_dtensor import clip_grad_norm_, lins_optimizer
+from lins_dtensor.errors import LinsConfigError
 from lins_dtensor.integrations.torchtitan.parallelize import MAX_NORM_ATTR
 
 
@@ -97,10 +98,10 @@ def build_lins_optimizers(model_parts: list[nn.Module], optimizer_config, parall
     if not all(hasattr(m, "_lins_state") for m in model_parts):
         return build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     if optimizer_config.early_step_in_backward:
-        raise NotImplementedError("optimizer.early_step_in_backward is not supported with Lins")
+        raise LinsConfigError("[optimizer] early_step_in_backward = true: not supported with [lins] enable = true")
     classes = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
     if optimizer_config.name not in classes:
-        raise NotImplementedError(f"Optimizer {optimizer_config.name} not added.")
+        raise LinsConfigError(f"[optimizer] name = '{optimizer_config.name}': Lins builds {' or '.join(classes)} only")
     kwargs = {
         "lr": optimizer_config.lr,
         "betas": (optimizer_config.beta1, optimizer_config.beta2),

@@ -12,14 +12,11 @@ import os
 
 import torch.distributed as dist
 
+from lins_dtensor.errors import LinsConfigError, LinsPlanError, PlannerError
 from lins_dtensor.integrations.torchtitan import planning
-from lins_dtensor.integrations.torchtitan.config import LinsConfigError
-from lins_dtensor.plan import PRESET_NAMES, LinsPlan, LinsPlanError
-from lins_dtensor.planner.hardware import load_hardware
-from lins_dtensor.planner.models import PlannerError
-
-_RESHARD = ("plan", "always", "never")
-_GRAD_DTYPES = ("", "float32", "bfloat16")
+from lins_dtensor.integrations.torchtitan.config import ReshardPolicy, check_choices
+from lins_dtensor.plan import PRESET_NAMES, LinsPlan
+from lins_dtensor.planner.hardware import hardware_preset, load_hardware
 
 
 def world_size() -> int:
@@ -80,17 +77,19 @@ def check_config(job_config) -> None:
     if not lins.enable:
         return
     check_parallelism(job_config)
-    if lins.reshard_after_forward not in _RESHARD:
-        raise LinsConfigError(f"[lins] reshard_after_forward = '{lins.reshard_after_forward}': must be one of {_RESHARD}")
-    if lins.grad_dtype not in _GRAD_DTYPES:
-        raise LinsConfigError(f"[lins] grad_dtype = '{lins.grad_dtype}': must be one of {_GRAD_DTYPES[1:]} or empty")
+    check_choices(lins)
+    if lins.hardware:
+        try:
+            hardware_preset(lins.hardware)
+        except PlannerError as exc:
+            raise LinsConfigError(f"[lins] hardware = '{lins.hardware}': {exc.detail}") from None
     if lins.bandwidth_file and not os.path.isfile(lins.bandwidth_file):
         raise LinsConfigError(f"[lins] bandwidth_file = '{lins.bandwidth_file}': no such file")
     if lins.hardware_file:
         try:
             load_hardware(lins.hardware_file)
         except PlannerError as exc:
-            raise LinsConfigError(f"[lins] hardware_file: {exc}") from None
+            raise LinsConfigError(f"[lins] hardware_file: {exc.detail}") from None
     if job_config.checkpoint.create_seed_checkpoint:
         return  # one process writes the unsharded model; the plan applies when it is loaded
     world = world_size()
@@ -112,18 +111,19 @@ def explicit_plan(lins, world: int, rpn: int, tp: int = 1) -> LinsPlan:
         plan = LinsPlan.parse(text, world // tp)
     except LinsPlanError as exc:
         raise LinsConfigError(
-            f"[lins] plan = '{text}': {exc} (presets: {', '.join(PRESET_NAMES)}, or 'auto')"
+            f"[lins] plan = '{text}': {exc.detail} (presets: {', '.join(PRESET_NAMES)}, or 'auto')"
         ) from None
     plan = with_reshard_policy(plan, lins.reshard_after_forward)
     try:
         plan.validate(world // tp, rpn // tp, tp)
     except LinsPlanError as exc:
         where = f"on {world} ranks, {rpn} per node" + (f", tensor_parallel_degree {tp}" if tp > 1 else "")
-        raise LinsConfigError(f"[lins] plan = '{text}' ({plan}) {where}: {exc}") from None
+        raise LinsConfigError(f"[lins] plan = '{text}' ({plan}) {where}: {exc.detail}") from None
     return plan
 
 
-def with_reshard_policy(plan: LinsPlan, policy: str) -> LinsPlan:
+def with_reshard_policy(plan: LinsPlan, policy: ReshardPolicy) -> LinsPlan:
+    """``plan`` with ``[lins] reshard_after_forward`` applied ("plan" keeps its own)."""
     if policy == "always":
         return dataclasses.replace(plan, reshard_after_forward=True)
     if policy == "never":
@@ -164,5 +164,5 @@ def resolve(job_config, model) -> Resolved:
     try:
         plan.validate(world // tp, rpn // tp, tp)
     except LinsPlanError as exc:
-        raise LinsConfigError(f"[lins] plan = 'auto': the planner chose {plan}, which is invalid: {exc}") from None
+        raise LinsConfigError(f"[lins] plan = 'auto': the planner chose {plan}, which is invalid: {exc.detail}") from None
     return Resolved(plan, rpn, prediction, tp)

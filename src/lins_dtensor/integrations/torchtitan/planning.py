@@ -17,7 +17,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from lins_dtensor.integrations.torchtitan.config import LinsConfigError
+from lins_dtensor.errors import LinsConfigError, LinsError
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner import Baseline, BandwidthTable, ClusterSpec, TrainingSpec, choose_plan, evaluate, model_from_module
 from lins_dtensor.planner.calibrate import CalibrationRun, run_to_json
@@ -119,12 +119,15 @@ def predict(job_config, model, plan: LinsPlan, world: int, rpn: int, tp: int = 1
         run = _run_description(spec, cluster, training, plan)
         return Prediction(evaluate(plan, spec, cluster, training), baselines, None, _cluster_text(cluster), run)
     except Exception as exc:  # noqa: BLE001 - the table is informative only; training goes on
-        logger.warning(f"Lins: no planner prediction for plan {plan}: {_first_line(exc)}")
+        logger.warning(f"lins: no planner prediction for plan {plan}: {_first_line(exc)}")
         return None
 
 
 def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    """The error's first line, without the ``lins:`` prefix when it is a Lins error (the
+    caller's message has its own)."""
+    text = exc.detail if isinstance(exc, LinsError) else str(exc)
+    return (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _cluster_text(cluster) -> str:
