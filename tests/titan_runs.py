@@ -23,6 +23,22 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu_lins.toml"
 
 
+def require_torchtitan(release: str) -> None:
+    """Skip the calling test module unless the installed torchtitan is ``release``
+    (e.g. "0.2" or "0.3"): each integration's tests run in their own venv
+    (scripts/test_torchtitan_versions.sh), and skip cleanly in the other's."""
+    import importlib.metadata
+
+    import pytest
+
+    try:
+        found = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("torchtitan is not installed", allow_module_level=True)
+    if found.split(".")[:2] != release.split("."):
+        pytest.skip(f"torchtitan {found} installed; these tests are for {release}.x", allow_module_level=True)
+
+
 def env() -> dict[str, str]:
     out = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
