@@ -117,7 +117,7 @@ def _load_corpus(path: str):
     if not file.exists():
         raise FileNotFoundError(
             f"dataset '{DATASET_NAME}': {file} does not exist; it is written on first run when "
-            "[lins] offline_assets = true and training.dataset_path (or model.hf_assets_path) names its folder"
+            "the Lins setting offline_assets is true and the dataset path (or the tokenizer's hf_assets_path) names its folder"
         )
     rows = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
     return Dataset.from_dict({"text": [r["text"] for r in rows]})

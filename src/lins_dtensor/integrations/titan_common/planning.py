@@ -23,7 +23,7 @@ from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner import Baseline, BandwidthTable, ClusterSpec, TrainingSpec, choose_plan, evaluate, model_from_module
 from lins_dtensor.planner.calibrate import CalibrationRun, run_to_json
 from lins_dtensor.planner.hardware import load_hardware
-from lins_dtensor.planner.models import architecture_only
+from lins_dtensor.planner.models import PlannerError, architecture_only, shapes_numel
 from lins_dtensor.planner.search import baseline_plans
 from lins_dtensor.planner.training import RECOMPUTED_FORWARD
 
@@ -95,7 +95,21 @@ def _model_spec(model, tp: int):
     attention = next((m for m in model.modules() if hasattr(m, "n_heads") and hasattr(m, "n_kv_heads")), None)
     heads = {} if attention is None else {"n_heads": attention.n_heads, "n_kv_heads": attention.n_kv_heads}
     spec = model_from_module(model, ffn_dim=ffn, **heads)
-    return architecture_only(spec) if tp > 1 else spec
+    return _architecture(spec) if tp > 1 else spec
+
+
+def _architecture(spec):
+    """``spec`` by its architecture numbers (what the planner splits for TP). torchtitan
+    0.3 fuses ``wq``/``wk``/``wv`` into one ``wqkv`` weight, whose shape
+    ``architecture_only`` does not recognise: the same parameters per unit in other
+    shapes (which TP splits by the same heads) are accepted too."""
+    try:
+        return architecture_only(spec)
+    except PlannerError:
+        plain = dataclasses.replace(spec, units=None, embedding_params=None)
+        if [shapes_numel(u) for u in plain.unit_shapes()] != [shapes_numel(u) for u in spec.units]:
+            raise
+        return plain
 
 
 def choose(job: TitanJob, model, world: int, rpn: int) -> tuple[LinsPlan, Prediction]:

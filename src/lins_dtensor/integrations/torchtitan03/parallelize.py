@@ -6,7 +6,8 @@ compile_config, ac_config, dump_folder)``; the Lins settings are not among them,
 :func:`parallelize_lins` to its job (``functools.partial``) before torchtitan calls
 it. The order is :mod:`lins_dtensor.integrations.titan_common.apply`'s: the Lins mesh,
 tensor parallelism on its ``tp`` dim (:mod:`.tp`), activation checkpointing,
-per-block ``torch.compile``, then Lins.
+per-block ``torch.compile``, then Lins, with checkpoints in torchtitan's stock layout
+(:mod:`.checkpoint_layout`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torchtitan.distributed.compile import apply_compile
 from lins_dtensor.integrations.titan_common import plan as lins_plan
 from lins_dtensor.integrations.titan_common.apply import build_mesh, shard
 from lins_dtensor.integrations.titan_common.job import TitanJob
+from lins_dtensor.integrations.torchtitan03.checkpoint_layout import merge_before_lins, split_after_lins
 from lins_dtensor.integrations.torchtitan03.tp import parallelize_tp
 
 
@@ -31,4 +33,7 @@ def parallelize_lins(model: nn.Module, *, job: TitanJob, parallel_dims, training
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
-    return shard(model, job, resolved, mesh)
+    merge_before_lins(model)
+    shard(model, job, resolved, mesh)
+    split_after_lins(model)
+    return model

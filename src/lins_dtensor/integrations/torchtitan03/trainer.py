@@ -3,21 +3,22 @@
 0.3 builds the trainer from its config (``config.build()`` constructs the class that
 owns the config's class), so :class:`LinsTrainer.Config` adds the ``lins`` field
 (:class:`~lins_dtensor.integrations.titan_common.settings.Lins`, ``--lins.plan ...``
-on the command line) and building it builds this trainer, which, with ``lins.enable``:
+on the command line) and building it builds this trainer, which writes the offline
+tokenizer and corpus when asked to (``lins.offline_assets``), before torchtitan reads
+them, and with ``lins.enable``:
 
 1. checks the settings before anything starts (one line naming the key and the rule);
-2. writes the offline tokenizer and corpus when asked to, before torchtitan reads them;
-3. binds ``model_spec.parallelize_fn`` to Lins (:func:`.parallelize.parallelize_lins`)
+2. binds ``model_spec.parallelize_fn`` to Lins (:func:`.parallelize.parallelize_lins`)
    and builds the optimizer and metrics configs into the Lins container and processor;
-4. clips through Lins in ``train_step``
+3. clips through Lins in ``train_step``
    (:mod:`lins_dtensor.integrations.titan_common.clipping`, in ``torchtitan.trainer``);
-5. tells Lins the gradient accumulation steps (the last micro-batch reduces in
+4. tells Lins the gradient accumulation steps (the last micro-batch reduces in
    backward) or, with ``lins.reduce_in_backward = false``, to reduce at the step;
    moves Lins' groups to ``comm.train_timeout_seconds`` after this process's first
    step, as torchtitan does its own; and after the last step waits for the update
    gathers still in flight, before torchtitan destroys the process groups.
 
-With ``lins.enable = false`` it is torchtitan's ``Trainer`` unchanged.
+With ``lins.enable = false`` it trains as torchtitan's ``Trainer``.
 """
 
 from __future__ import annotations
@@ -51,10 +52,9 @@ class LinsTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         self._lins_timeout_moved = False
-        if config.lins.enable:
-            job = titan_job(config, config.lins)
-            check_config(job)
-            _prepare_assets(config)
+        _prepare_assets(config)  # the job's data, with or without Lins
+        job = titan_job(config, config.lins)
+        check_config(job)
         if config.lins.enable and not job.seed_checkpoint:  # a seed run saves the unsharded model
             config.model_spec = dataclasses.replace(
                 config.model_spec, parallelize_fn=functools.partial(parallelize_lins, job=job), pipelining_fn=None
