@@ -93,7 +93,9 @@ def _model_spec(model, tp: int):
     from the attention modules (0.3's model has no ``model_args`` to read them from)."""
     ffn = next((m.feed_forward.w1.weight.shape[0] for m in model.modules() if hasattr(m, "feed_forward")), None)
     attention = next((m for m in model.modules() if hasattr(m, "n_heads") and hasattr(m, "n_kv_heads")), None)
-    heads = {} if attention is None else {"n_heads": attention.n_heads, "n_kv_heads": attention.n_kv_heads}
+    heads = {} if attention is None else {"n_heads": attention.n_heads}
+    if attention is not None and attention.n_kv_heads != attention.n_heads:  # equal: stored as None (plain MHA)
+        heads["n_kv_heads"] = attention.n_kv_heads
     spec = model_from_module(model, ffn_dim=ffn, **heads)
     return _architecture(spec) if tp > 1 else spec
 
