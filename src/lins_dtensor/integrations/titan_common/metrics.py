@@ -35,21 +35,26 @@ CHECK_STEPS = 3
 CHECK_TOLERANCE = 0.25
 
 
-def prediction_warning(measured: list[float], predicted: float, tensorboard_dir: str) -> str | None:
-    """The one-line warning when the median measured step is off the prediction, else None."""
+def prediction_warning(measured: list[float], predicted: float, tensorboard_dir: str,
+                       use_hardware_file: str = '[lins] hardware_file = "hardware.json"') -> str | None:
+    """The one-line warning when the median measured step is off the prediction, else
+    None; ``use_hardware_file`` says how the job's torchtitan release sets the file."""
     median = statistics.median(measured)
     if abs(median / predicted - 1) <= CHECK_TOLERANCE:
         return None
     return (
         f"lins: measured step {median:.3g} s is {median / predicted - 1:+.0%} off the planner's {predicted:.3g} s "
         f"(median of {len(measured)} steps); calibrate: lins-plan calibrate {tensorboard_dir or '<tensorboard dir>'} "
-        f"-o hardware.json, then [lins] hardware_file = \"hardware.json\""
+        f"-o hardware.json, then {use_hardware_file}"
     )
 
 
 class LinsMetrics:
     """Mixed in before torchtitan's ``MetricsProcessor``; the subclass says how often
-    torchtitan logs (:attr:`log_freq`), which each release keeps elsewhere."""
+    torchtitan logs (:attr:`log_freq`), which each release keeps elsewhere, and may say
+    how its release sets the planner's hardware file (:attr:`use_hardware_file`)."""
+
+    use_hardware_file = '[lins] hardware_file = "hardware.json"'
 
     _plan_written = False
     _checked = False
@@ -104,7 +109,8 @@ class LinsMetrics:
             return
         self._checked = True
         writers = self._tensorboard_writers()
-        warning = prediction_warning(self._measured, scalars[PREDICTED_TAG], writers[0].log_dir if writers else "")
+        warning = prediction_warning(self._measured, scalars[PREDICTED_TAG], writers[0].log_dir if writers else "",
+                                     self.use_hardware_file)
         if warning and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.warning(warning)
 

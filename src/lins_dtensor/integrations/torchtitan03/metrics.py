@@ -17,6 +17,8 @@ class LinsMetricsProcessor(LinsMetrics, MetricsProcessor):
     class Config(MetricsProcessor.Config):
         """torchtitan's metrics config, built into the processor that adds ``lins/*``."""
 
+    use_hardware_file = "--lins.hardware_file hardware.json"
+
     @property
     def log_freq(self) -> int:
         return self.config.log_freq
