@@ -52,9 +52,9 @@ class LinsTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         self._lins_timeout_moved = False
-        _prepare_assets(config)  # the job's data, with or without Lins
         job = titan_job(config, config.lins)
         check_config(job)
+        _prepare_assets(config)  # the job's data, with or without Lins
         if config.lins.enable and not job.seed_checkpoint:  # a seed run saves the unsharded model
             config.model_spec = dataclasses.replace(
                 config.model_spec, parallelize_fn=functools.partial(parallelize_lins, job=job), pipelining_fn=None
