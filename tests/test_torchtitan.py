@@ -25,6 +25,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from titan_runs import require_torchtitan
+
+require_torchtitan("0.2")  # the TOML integration; tests/test_torchtitan03.py covers 0.3
+
 from titan_runs import base_args, check, held_line, losses, printed_losses, scalars, stop_one_worker, texts, train
 
 # Parity tolerance. Both runs start from the same seed checkpoint, see the same
@@ -82,12 +86,15 @@ def test_wrong_lins_value_stops_at_startup(tmp_path, assets, override, key, rule
 def test_settings_lins_cannot_run_with_are_refused_in_one_line(section, key, value, expected):
     from torchtitan.config import JobConfig
 
-    from lins_dtensor.integrations.torchtitan.plan import LinsConfigError, check_parallelism
+    from lins_dtensor.integrations.titan_common.plan import LinsConfigError, check_parallelism
+    from lins_dtensor.integrations.titan_common.settings import Lins
+    from lins_dtensor.integrations.torchtitan.plan import titan_job
 
     job_config = JobConfig()
+    job_config.lins = Lins()
     setattr(getattr(job_config, section), key, value)
     with pytest.raises(LinsConfigError) as error:
-        check_parallelism(job_config)
+        check_parallelism(titan_job(job_config))
     assert str(error.value).startswith("lins: " + expected) and "\n" not in str(error.value)
 
 
@@ -104,15 +111,16 @@ def test_tensor_parallel_layouts_lins_cannot_run_are_refused_in_one_line(monkeyp
     """The plan counts data-parallel ranks (world / tp) and TP stays inside a node."""
     from torchtitan.config import JobConfig
 
-    from lins_dtensor.integrations.torchtitan.config import Lins
-    from lins_dtensor.integrations.torchtitan.plan import LinsConfigError, check_config
+    from lins_dtensor.integrations.titan_common.plan import LinsConfigError, check_config
+    from lins_dtensor.integrations.titan_common.settings import Lins
+    from lins_dtensor.integrations.torchtitan.plan import titan_job
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     job_config = JobConfig()
     job_config.lins = Lins(enable=True, plan=plan, ranks_per_node=2)
     job_config.parallelism.tensor_parallel_degree = tp
     with pytest.raises(LinsConfigError) as error:
-        check_config(job_config)
+        check_config(titan_job(job_config))
     assert str(error.value).startswith("lins: " + expected) and "\n" not in str(error.value), str(error.value)
 
 
@@ -128,17 +136,18 @@ def test_lins_keys_with_fixed_values_are_checked_in_one_line(monkeypatch, key, v
     """The Literal keys take only their values, and ``hardware`` only a planner preset."""
     from torchtitan.config import JobConfig
 
-    from lins_dtensor.integrations.torchtitan.config import Lins
-    from lins_dtensor.integrations.torchtitan.plan import LinsConfigError, check_config
+    from lins_dtensor.integrations.titan_common.plan import LinsConfigError, check_config
+    from lins_dtensor.integrations.titan_common.settings import Lins
+    from lins_dtensor.integrations.torchtitan.plan import titan_job
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     job_config = JobConfig()
     job_config.lins = Lins(enable=True, plan="fsdp", ranks_per_node=2, **{key: value})
     with pytest.raises(LinsConfigError) as error:
-        check_config(job_config)
+        check_config(titan_job(job_config))
     assert str(error.value).startswith("lins: " + expected) and "\n" not in str(error.value), str(error.value)
     job_config.lins = Lins(enable=True, plan="fsdp", ranks_per_node=2, hardware="H100")  # a preset's alias, any case
-    check_config(job_config)
+    check_config(titan_job(job_config))
 
 
 @pytest.mark.timeout(660)

@@ -23,6 +23,22 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu_lins.toml"
 
 
+def require_torchtitan(release: str) -> None:
+    """Skip the calling test module unless the installed torchtitan is ``release``
+    (e.g. "0.2" or "0.3"): each integration's tests run in their own venv
+    (scripts/test_torchtitan_versions.sh), and skip cleanly in the other's."""
+    import importlib.metadata
+
+    import pytest
+
+    try:
+        found = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("torchtitan is not installed", allow_module_level=True)
+    if found.split(".")[:2] != release.split("."):
+        pytest.skip(f"torchtitan {found} installed; these tests are for {release}.x", allow_module_level=True)
+
+
 def env() -> dict[str, str]:
     out = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -43,6 +59,38 @@ def base_args(dump: Path, assets: Path, steps: int, *extra: str) -> list[str]:
         "--metrics.log_freq", "1",
         *extra,
     ]
+
+
+# torchtitan 0.3: the Lins launcher and its CPU debug job (config_registry.llama3_debug_cpu).
+ENTRY_03 = "lins_dtensor.integrations.torchtitan03.train"
+
+
+def base_args03(dump: Path, assets: Path, steps: int, *extra: str) -> list[str]:
+    """torchtitan 0.3's twin of :func:`base_args`: the debug job, seq 128, log every step."""
+    return [
+        "--config", "llama3_debug_cpu",
+        "--dump_folder", str(dump),
+        "--hf_assets_path", str(assets),
+        "--training.seq_len", "128",
+        "--training.steps", str(steps),
+        "--lr_scheduler.total_steps", "6",
+        "--metrics.log_freq", "1",
+        *extra,
+    ]
+
+
+def train03(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the torchtitan 0.3 launcher on ``nproc`` ranks under torchrun (one: plain
+    ``python -m``) and return rank 0's stdout and stderr. No preloaded server here:
+    torchtitan 0.3 parses its config per process from ``--module``/``--config``."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", ENTRY_03, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", ENTRY_03, *args]
+    e = env()
+    e.update(extra_env or {})
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
 def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict | None = None,

@@ -15,7 +15,7 @@ import socket
 import sys
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """Let ``python -m lins_dtensor.train`` run as a world of one without torchrun."""
     if "RANK" in os.environ:
         return
@@ -31,7 +31,7 @@ def _single_process_env() -> None:
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    _single_process_env()
+    single_process_env()
 
     # Imported only now, after the environment above is set (torchtitan and Hugging
     # Face read it at import): registers the lins_llama3 TrainSpec and dataset, and

@@ -13,13 +13,14 @@ Job config::
 
 Importing this package registers the ``lins_llama3`` TrainSpec (torchtitan's llama3
 spec with Lins' parallelize, optimizer, metrics and tokenizer builders) and the
-``python_stdlib`` dataset. The modules, one job each:
+``python_stdlib`` dataset. The modules, one job each, adapting
+:mod:`lins_dtensor.integrations.titan_common` (shared with the torchtitan 0.3 integration)
+to 0.2.2:
 
-- ``config``: the ``[lins]`` section;  ``plan``: validation and plan resolution;
-- ``planning``: the planner bridge and the start-up table;
-- ``parallelize``: AC + compile + ``apply_lins``;  ``optimizer``: the container;
+- ``config``: the ``[lins]`` section;  ``plan``: the JobConfig as a ``TitanJob``;
+- ``parallelize``: TP + AC + compile + Lins;  ``optimizer``: the container;
 - ``metrics``: ``lins/*`` TensorBoard scalars;  ``trainer``: config check, clipping;
-- ``assets``: offline tokenizer and corpus;  ``cpu``: the CPU/gloo shims;
+- ``assets``: the tokenizer builder;  ``cpu``: the CPU/gloo shims;
 - ``lins_dtensor.train``: the launcher.
 """
 
@@ -32,6 +33,7 @@ from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.models.llama3 import get_train_spec
 from torchtitan.protocols.train_spec import register_train_spec
 
+from lins_dtensor.integrations.titan_common.assets import register_dataset
 from lins_dtensor.integrations.torchtitan import assets, cpu
 from lins_dtensor.integrations.torchtitan.metrics import build_lins_metrics_processor
 from lins_dtensor.integrations.torchtitan.optimizer import build_lins_optimizers
@@ -55,7 +57,7 @@ def lins_train_spec():
 def register() -> None:
     """Register the TrainSpec and the dataset (idempotent); patch for CPU when needed."""
     cpu.install()
-    assets.register_dataset()
+    register_dataset()
     try:
         register_train_spec(SPEC_NAME, lins_train_spec())
     except ValueError:  # already registered by an earlier import

@@ -11,12 +11,12 @@ present. Everything else (trainer loop, checkpointing, metrics) runs as shipped.
 from __future__ import annotations
 
 import importlib
-import os
-import resource
 import types
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+
+from lins_dtensor.integrations.titan_common.cpu_device import CpuDevice
 
 _INSTALLED = False
 
@@ -28,59 +28,6 @@ _DEVICE_MODULES = (
     "torchtitan.components.metrics",
     "torchtitan.tools.profiling",
 )
-
-
-class _CpuDevice(types.SimpleNamespace):
-    """The subset of the ``torch.cuda`` API torchtitan calls, answered for the host."""
-
-    @staticmethod
-    def set_device(device) -> None:
-        pass
-
-    @staticmethod
-    def current_device() -> int:
-        return 0
-
-    @staticmethod
-    def device_count() -> int:
-        return 1
-
-    @staticmethod
-    def is_available() -> bool:
-        return True
-
-    @staticmethod
-    def get_device_name(device=None) -> str:
-        return "cpu"
-
-    @staticmethod
-    def get_device_properties(device=None):
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            total = 1 << 34
-        return types.SimpleNamespace(total_memory=total, name="cpu")
-
-    @staticmethod
-    def memory_stats(device=None) -> dict:
-        # Host memory: the process's peak resident set (it cannot be reset).
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
-
-    @staticmethod
-    def reset_peak_memory_stats(device=None) -> None:
-        pass
-
-    @staticmethod
-    def empty_cache() -> None:
-        pass
-
-    @staticmethod
-    def synchronize(device=None) -> None:
-        pass
-
-    def __getattr__(self, name):  # anything else falls through to torch.cpu
-        return getattr(torch.cpu, name)
 
 
 def _profiler_namespace() -> types.SimpleNamespace:
@@ -127,7 +74,7 @@ def install() -> bool:
     global _INSTALLED
     if _INSTALLED or not needed():
         return _INSTALLED
-    device = _CpuDevice()
+    device = CpuDevice()
     for name in _DEVICE_MODULES:
         module = importlib.import_module(name)
         if hasattr(module, "device_type"):

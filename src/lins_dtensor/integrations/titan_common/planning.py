@@ -17,12 +17,13 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
+from lins_dtensor.integrations.titan_common.job import TitanJob
 from lins_dtensor.errors import LinsConfigError, LinsError
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner import Baseline, BandwidthTable, ClusterSpec, TrainingSpec, choose_plan, evaluate, model_from_module
 from lins_dtensor.planner.calibrate import CalibrationRun, run_to_json
 from lins_dtensor.planner.hardware import load_hardware
-from lins_dtensor.planner.models import architecture_only
+from lins_dtensor.planner.models import PlannerError, architecture_only, shapes_numel
 from lins_dtensor.planner.search import baseline_plans
 from lins_dtensor.planner.training import RECOMPUTED_FORWARD
 
@@ -44,9 +45,9 @@ class Prediction:
         return float(self.chosen.step_s)
 
 
-def _hardware_name(job_config) -> str:
-    if job_config.lins.hardware:
-        return job_config.lins.hardware
+def _hardware_name(job: TitanJob) -> str:
+    if job.lins.hardware:
+        return job.lins.hardware
     if not torch.cuda.is_available():
         return "cpu-emulated"
     name = torch.cuda.get_device_name().upper()
@@ -56,28 +57,27 @@ def _hardware_name(job_config) -> str:
     return "h100"
 
 
-def _cluster(job_config, world: int, rpn: int, tp: int):
-    bandwidth = BandwidthTable.load(job_config.lins.bandwidth_file) if job_config.lins.bandwidth_file else None
-    if job_config.lins.hardware_file:
-        return ClusterSpec(world, rpn, load_hardware(job_config.lins.hardware_file), bandwidth, tp=tp)
-    return ClusterSpec.preset(_hardware_name(job_config), world, rpn, bandwidth=bandwidth, tp=tp)
+def _cluster(job: TitanJob, world: int, rpn: int):
+    bandwidth = BandwidthTable.load(job.lins.bandwidth_file) if job.lins.bandwidth_file else None
+    if job.lins.hardware_file:
+        return ClusterSpec(world, rpn, load_hardware(job.lins.hardware_file), bandwidth, tp=job.tp)
+    return ClusterSpec.preset(_hardware_name(job), world, rpn, bandwidth=bandwidth, tp=job.tp)
 
 
-def _training(job_config, dp_world: int):
-    """The planner's TrainingSpec from torchtitan's [training] section (the default
+def _training(job: TitanJob, dp_world: int):
+    """The planner's TrainingSpec from torchtitan's training settings (the default
     global batch is one local batch per data-parallel rank)."""
-    t = job_config.training
-    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_world
+    global_batch = job.global_batch_size if job.global_batch_size > 0 else job.local_batch_size * dp_world
     return TrainingSpec(
-        seq_len=t.seq_len,
-        micro_batch=t.local_batch_size,
-        global_batch_tokens=global_batch * t.seq_len,
+        seq_len=job.seq_len,
+        micro_batch=job.local_batch_size,
+        global_batch_tokens=global_batch * job.seq_len,
         # memory_budget (torch.compile's) recomputes a budget-dependent share: costed as selective.
-        activation_checkpointing=ac_mode if (ac_mode := job_config.activation_checkpoint.mode) in RECOMPUTED_FORWARD else "selective",
-        param_bytes=TORCH_DTYPE_MAP[t.mixed_precision_param].itemsize,
-        reduce_bytes=TORCH_DTYPE_MAP[job_config.lins.grad_dtype or t.mixed_precision_reduce].itemsize,
-        activation_bytes=TORCH_DTYPE_MAP[t.mixed_precision_param].itemsize,
-        clip_grad_norm=t.max_norm > 0,
+        activation_checkpointing=job.activation_checkpoint if job.activation_checkpoint in RECOMPUTED_FORWARD else "selective",
+        param_bytes=TORCH_DTYPE_MAP[job.param_dtype].itemsize,
+        reduce_bytes=TORCH_DTYPE_MAP[job.grad_dtype].itemsize,
+        activation_bytes=TORCH_DTYPE_MAP[job.param_dtype].itemsize,
+        clip_grad_norm=job.max_norm > 0,
     )
 
 
@@ -89,29 +89,48 @@ def _run_description(spec, cluster: ClusterSpec, training: TrainingSpec, plan: L
 def _model_spec(model, tp: int):
     """The planner's description of torchtitan's (not yet parallelised) model. Under TP
     the planner splits it by torchtitan's LLaMA plan, from the architecture numbers,
-    after checking that the module's shapes are that layout."""
+    after checking that the module's shapes are that layout. The head counts are read
+    from the attention modules (0.3's model has no ``model_args`` to read them from)."""
     ffn = next((m.feed_forward.w1.weight.shape[0] for m in model.modules() if hasattr(m, "feed_forward")), None)
-    spec = model_from_module(model, ffn_dim=ffn)
-    return architecture_only(spec) if tp > 1 else spec
+    attention = next((m for m in model.modules() if hasattr(m, "n_heads") and hasattr(m, "n_kv_heads")), None)
+    heads = {} if attention is None else {"n_heads": attention.n_heads}
+    if attention is not None and attention.n_kv_heads != attention.n_heads:  # equal: stored as None (plain MHA)
+        heads["n_kv_heads"] = attention.n_kv_heads
+    spec = model_from_module(model, ffn_dim=ffn, **heads)
+    return _architecture(spec) if tp > 1 else spec
 
 
-def choose(job_config, model, world: int, rpn: int, tp: int = 1) -> tuple[LinsPlan, Prediction]:
+def _architecture(spec):
+    """``spec`` by its architecture numbers (what the planner splits for TP). torchtitan
+    0.3 fuses ``wq``/``wk``/``wv`` into one ``wqkv`` weight, whose shape
+    ``architecture_only`` does not recognise: the same parameters per unit in other
+    shapes (which TP splits by the same heads) are accepted too."""
+    try:
+        return architecture_only(spec)
+    except PlannerError:
+        plain = dataclasses.replace(spec, units=None, embedding_params=None)
+        if [shapes_numel(u) for u in plain.unit_shapes()] != [shapes_numel(u) for u in spec.units]:
+            raise
+        return plain
+
+
+def choose(job: TitanJob, model, world: int, rpn: int) -> tuple[LinsPlan, Prediction]:
     """``plan = "auto"``: the planner's plan for the data-parallel ranks next to the
     job's tensor parallelism, or a one-line LinsConfigError."""
     try:
-        cluster, training = _cluster(job_config, world, rpn, tp), _training(job_config, world // tp)
-        plan, explanation = choose_plan(_model_spec(model, tp), cluster, training)
+        cluster, training = _cluster(job, world, rpn), _training(job, world // job.tp)
+        plan, explanation = choose_plan(_model_spec(model, job.tp), cluster, training)
     except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
-        raise LinsConfigError(f"[lins] plan = 'auto': {_first_line(exc)}") from None
+        raise LinsConfigError(f"{job.key('lins', 'plan')} = 'auto': {_first_line(exc)}") from None
     run = _run_description(explanation.model, explanation.cluster, explanation.training, plan)
     return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster), run)
 
 
-def predict(job_config, model, plan: LinsPlan, world: int, rpn: int, tp: int = 1) -> Prediction | None:
+def predict(job: TitanJob, model, plan: LinsPlan, world: int, rpn: int) -> Prediction | None:
     """The planner's prediction for an explicit plan and the baselines; None if unavailable."""
     try:
-        cluster, training = _cluster(job_config, world, rpn, tp), _training(job_config, world // tp)
-        spec = _model_spec(model, tp)
+        cluster, training = _cluster(job, world, rpn), _training(job, world // job.tp)
+        spec = _model_spec(model, job.tp)
         baselines = [
             Baseline(name, p, None if p is None else evaluate(p, spec, cluster, training), note)
             for name, p, note in baseline_plans(cluster.dp_ranks, cluster.dp_per_node, cluster.tp)
@@ -140,9 +159,10 @@ def _state_bytes(plan: LinsPlan, num_params: int, param_bytes: int, grad_bytes: 
 
 
 def table(plan: LinsPlan, prediction: Prediction | None, world: int, rpn: int, num_params: int, param_bytes: int, grad_bytes: int,
-          tp: int = 1) -> str:
+          tp: int = 1, plan_key: str = "[lins] plan") -> str:
     """The compact start-up report: chosen plan, why, predictions and baselines (all
-    with the job's tensor parallelism: the plans are over its data-parallel ranks)."""
+    with the job's tensor parallelism: the plans are over its data-parallel ranks).
+    ``plan_key`` names the plan setting as the job's torchtitan release spells it."""
     head = f"  {'':<14} {'plan':<18} {'states MiB':>10} {'peak MiB':>9} {'step s':>8} {'vs chosen':>9}"
     layout = f"{world} ranks ({rpn} per node)"
     if tp > 1:
@@ -150,7 +170,7 @@ def table(plan: LinsPlan, prediction: Prediction | None, world: int, rpn: int, n
     lines = [f"Lins: plan {plan} on {layout}, {num_params:,} parameters"]
     if prediction is None:
         lines += [head.replace(" peak MiB", "         ").rstrip(), f"  {'CHOSEN':<14} {str(plan):<18} {_state_bytes(plan, num_params, param_bytes, grad_bytes, tp) / MiB:10.1f}"]
-        lines.append("why: plan given in [lins] plan (no planner prediction available)")
+        lines.append(f"why: plan given in {plan_key} (no planner prediction available)")
         return "\n".join(lines)
     chosen = prediction.chosen
     lines[0] += f"; predicted on {prediction.cluster_text}"
@@ -170,5 +190,5 @@ def table(plan: LinsPlan, prediction: Prediction | None, world: int, rpn: int, n
     if prediction.explanation is not None:
         lines.append(f"why: {prediction.explanation.reason}")
     else:
-        lines.append("why: plan given in [lins] plan (set plan = \"auto\" to let the planner choose)")
+        lines.append(f"why: plan given in {plan_key} (set plan = \"auto\" to let the planner choose)")
     return "\n".join(lines)
