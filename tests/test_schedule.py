@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import run
-from scenarios import train_lins
+from scenarios import LinsRun, train_lins
 from lins_dtensor import LinsPlan
 from lins_dtensor.schedule import CollectiveRecord, Op, summarize
 
@@ -37,7 +37,7 @@ PHI = 64 * 32 * 2 + 2 * (32 * 2 + 8 + 4 * 32 * 32 + 3 * 32 * 64) + 32
 @pytest.fixture(scope="module")
 def even_runs():
     plans = ["p=1,g=1,os=8", "p=2,g=4,os=8", "p=4,g=4,os=4", "p=8,g=8,os=8"]
-    cfgs = [dict(plan=p, microbatches=2, steps=1, ranks_per_node=4, model_kwargs=EVEN) for p in plans]
+    cfgs = [LinsRun(p, 2, 1, 4, model_kwargs=EVEN) for p in plans]
     return run(train_lins, 8, cfgs)
 
 
@@ -46,7 +46,7 @@ def test_bytes_follow_closed_form(even_runs):
     """Closed forms of schedule.py's docstring, fp32 everywhere (b_p = b_r = 4), M = 2."""
     n, m, b = 8, 2, 4
     for run_ in even_runs:
-        plan = LinsPlan.parse(run_["config"]["plan"], n)
+        plan = LinsPlan.parse(run_["config"].plan, n)
         sp, sg, so = plan.params, plan.grads, plan.optim
         records = [CollectiveRecord(name, "", Op(op), size, nodes, nbytes, count) for (name, op, size, nodes, nbytes), count in run_["records"].items()]
         by_name = {}
@@ -73,7 +73,7 @@ def test_bytes_follow_closed_form(even_runs):
 def test_memory_within_5_percent_of_closed_form(even_runs):
     """2Φ/s_p + 4Φ/s_g + 12Φ/s_os in the paper's bf16 form; here fp32 P: 4Φ/s_p."""
     for run_ in even_runs:
-        plan = LinsPlan.parse(run_["config"]["plan"], 8)
+        plan = LinsPlan.parse(run_["config"].plan, 8)
         closed = {"params": 4 * PHI / plan.params, "grads": 4 * PHI / plan.grads, "optim": 12 * PHI / plan.optim}
         for info in run_["per_rank"]:
             for state, value in closed.items():

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from unit_harness import SimWorld, world1_device_mesh
 
 from lins_dtensor import LinsPlan, valid_plans
 from lins_dtensor.schedule import (
@@ -24,13 +25,14 @@ from lins_dtensor.schedule import (
     UnitGeometry,
 )
 from lins_dtensor.units import ReplicatedParams
-from unit_harness import SimWorld, world1_device_mesh
 
-WORLD = 4
-# Rows that 2 and 4 ranks cut unevenly, down to empty chunks (1 row over 4 ranks).
+# Rows that 2, 4 and 8 ranks cut unevenly, down to empty chunks (1 row over 4 ranks).
 SHAPES = [(5, 3), (7,), (2, 2), (1, 4)]
 # The unit sees only the plan's factors: hpZ's P regathering group is FSDP2's business.
-PLANS = [str(p) for p in valid_plans(WORLD, 2)]
+PLANS = [str(p) for p in valid_plans(4, 2)]
+# At world 8 the plans whose P, G and OS are three different groups (p=2,g=4,os=8),
+# which the forked world-8 runs take at M = 2 only.
+WORLD8_PLANS = [str(p) for p in valid_plans(8, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,9 @@ def device_mesh() -> Iterator[DeviceMesh]:
         dist.destroy_process_group()
 
 
-def make_world(plan: str, device_mesh: DeviceMesh, monkeypatch, param_dtype: torch.dtype = torch.float32) -> SimWorld:
-    world = SimWorld(LinsPlan.parse(plan, WORLD), WORLD, device_mesh, SHAPES, param_dtype)
+def make_world(plan: str, device_mesh: DeviceMesh, monkeypatch, param_dtype: torch.dtype = torch.float32,
+               world_size: int = 4) -> SimWorld:
+    world = SimWorld(LinsPlan.parse(plan, world_size), world_size, device_mesh, SHAPES, param_dtype)
     world.install(monkeypatch)
     return world
 
@@ -58,21 +61,21 @@ def run_backwards(world: SimWorld, grads: dict[tuple[int, int], list[torch.Tenso
     """Every rank's micro-batches in order (as ranks run them), the last one reducing."""
     for mb in range(microbatches):
         for rank, unit in enumerate(world.units):
-            unit.accumulate(world.handed_on(rank, [grads[r, mb] for r in range(WORLD)]), mb == microbatches - 1, used=used)
+            unit.accumulate(world.handed_on(rank, [grads[r, mb] for r in range(world.world_size)]), mb == microbatches - 1, used=used)
 
 
 def expected_grad(world: SimWorld, grads: dict[tuple[int, int], list[torch.Tensor]], rank: int) -> list[torch.Tensor]:
     """Rank ``rank``'s OS rows of the gradient summed over ranks and micro-batches,
     divided by the data-parallel world (the unit's gradient_divide_factor)."""
-    total = [sum(g[i] for g in grads.values()) / WORLD for i in range(len(SHAPES))]
+    total = [sum(g[i] for g in grads.values()) / world.world_size for i in range(len(SHAPES))]
     return world.optim_rows(rank, total)
 
 
-def step_specs(plan: LinsPlan, microbatches: int) -> list[str]:
+def step_specs(plan: LinsPlan, world_size: int, microbatches: int) -> list[str]:
     """The collectives one rank issues for one unit in one step, from the plan's
     factors: G finer than P reduce-scatters every micro-batch; OS finer than G
     reduce-scatters once, replicas all-reduce once; the update gathers back up."""
-    replicas = WORLD // plan.optim
+    replicas = world_size // plan.optim
     grads = [GRAD_SHARD_REDUCE_SCATTER.name] * microbatches if plan.grads > plan.params else []
     optim = [OPTIM_REDUCE_SCATTER.name] * (plan.optim > plan.grads) + [OPTIM_ALL_REDUCE.name] * (replicas > 1)
     update = [UPDATE_GATHER_OPTIM.name] * (plan.optim > plan.grads) + [UPDATE_GATHER_GRAD.name] * (plan.grads > plan.params)
@@ -80,14 +83,15 @@ def step_specs(plan: LinsPlan, microbatches: int) -> list[str]:
 
 
 @pytest.mark.parametrize("microbatches", [1, 3])
-@pytest.mark.parametrize("plan", PLANS)
-def test_a_step_reduces_every_rank_and_microbatch_and_gathers_the_update_into_p(plan, microbatches, device_mesh, monkeypatch):
+@pytest.mark.parametrize("world_size, plan", [(4, p) for p in PLANS] + [(8, p) for p in WORLD8_PLANS])
+def test_a_step_reduces_every_rank_and_microbatch_and_gathers_the_update_into_p(world_size, plan, microbatches, device_mesh,
+                                                                                 monkeypatch):
     """Micro-batches into G, G to the OS layout, the masters' gradient exactly the sum
     over ranks and micro-batches / N; the masters' update back in P on every rank; each
     collective is the plan's, with the geometry's message size, in the same order on
     every rank of its group."""
-    world = make_world(plan, device_mesh, monkeypatch)
-    grads = {(rank, mb): integer_grads(10 * rank + mb) for rank in range(WORLD) for mb in range(microbatches)}
+    world = make_world(plan, device_mesh, monkeypatch, world_size=world_size)
+    grads = {(rank, mb): integer_grads(10 * rank + mb) for rank in range(world_size) for mb in range(microbatches)}
     run_backwards(world, grads, microbatches)
     new_values = integer_grads(99)
     for rank, unit in enumerate(world.units):
@@ -105,10 +109,10 @@ def test_a_step_reduces_every_rank_and_microbatch_and_gathers_the_update_into_p(
         assert not unit.update_pending()
         for shard, want in zip(unit.backend.local_shards(), world.p_rows(rank, new_values)):
             assert torch.equal(shard.reshape(want.shape), want), (plan, rank)
-    parsed = LinsPlan.parse(plan, WORLD)
+    parsed = LinsPlan.parse(plan, world_size)
     for rank, unit in enumerate(world.units):
         mine = [i for i in world.issued if i.rank == rank]
-        assert [i.spec.name for i in mine] == step_specs(parsed, microbatches), (plan, rank)
+        assert [i.spec.name for i in mine] == step_specs(parsed, world_size, microbatches), (plan, rank)
         for issued in mine:
             assert issued.message_numel == unit.geometry.message_numel(issued.spec), (plan, rank, issued.spec.name)
             assert issued.group_size == world.sizes[issued.spec.mesh_dim], (plan, rank, issued.spec.name)
@@ -140,10 +144,10 @@ def test_parameters_unused_everywhere_keep_no_gradient(plan, device_mesh, monkey
     world = make_world(plan, device_mesh, monkeypatch)
     zeros = [torch.zeros(s) for s in SHAPES]
     used0, others = [True, False, True, False], [True, False, False, False]
-    used = [used0] + [others] * (WORLD - 1)
-    grads = {(rank, 0): [g if u else z for g, u, z in zip(integer_grads(rank), used[rank], zeros)] for rank in range(WORLD)}
+    used = [used0] + [others] * (world.world_size - 1)
+    grads = {(rank, 0): [g if u else z for g, u, z in zip(integer_grads(rank), used[rank], zeros)] for rank in range(world.world_size)}
     for rank, unit in enumerate(world.units):
-        unit.accumulate(world.handed_on(rank, [grads[r, 0] for r in range(WORLD)]), True, used=used[rank])
+        unit.accumulate(world.handed_on(rank, [grads[r, 0] for r in range(world.world_size)]), True, used=used[rank])
     used_anywhere = [any(u.grad_state.used[i] for u in world.units) for i in range(len(SHAPES))]
     assert used_anywhere == used0
     for rank, unit in enumerate(world.units):
@@ -161,10 +165,10 @@ def test_end_step_forgets_the_step_so_the_next_one_starts_from_zero(plan, device
     not added to what was left."""
     world = make_world(plan, device_mesh, monkeypatch)
     for step, raised in enumerate([True, False, False]):
-        grads = {(rank, mb): integer_grads(100 * step + 10 * rank + mb) for rank in range(WORLD) for mb in range(2)}
+        grads = {(rank, mb): integer_grads(100 * step + 10 * rank + mb) for rank in range(world.world_size) for mb in range(2)}
         if raised:  # the first micro-batch ran, the second raised in its forward
             for rank, unit in enumerate(world.units):
-                unit.accumulate(world.handed_on(rank, [grads[r, 0] for r in range(WORLD)]), False)
+                unit.accumulate(world.handed_on(rank, [grads[r, 0] for r in range(world.world_size)]), False)
             for unit in world.units:
                 unit.ctx.executor.wait_all()  # as LinsState does before it ends a step that raised
         else:
@@ -187,10 +191,10 @@ def test_microbatches_after_the_reduction_are_reduced_and_added(plan, device_mes
     the G buffer itself) and another micro-batch arrives, reducing again; the masters'
     gradient is the sum of both."""
     world = make_world(plan, device_mesh, monkeypatch)
-    grads = {(rank, mb): integer_grads(10 * rank + mb) for rank in range(WORLD) for mb in range(2)}
+    grads = {(rank, mb): integer_grads(10 * rank + mb) for rank in range(world.world_size) for mb in range(2)}
     for mb in range(2):
         for rank, unit in enumerate(world.units):
-            unit.accumulate(world.handed_on(rank, [grads[r, mb] for r in range(WORLD)]), True)
+            unit.accumulate(world.handed_on(rank, [grads[r, mb] for r in range(world.world_size)]), True)
     for rank, unit in enumerate(world.units):
         unit.finalize_grads([True] * len(SHAPES))
         assert all(torch.equal(m.grad, w) for m, w in zip(unit.local_masters, expected_grad(world, grads, rank))), (plan, rank)
@@ -247,7 +251,7 @@ def test_a_bucket_whose_parameters_all_arrive_goes_on_in_backward():
     module, backend, sent = bucket()
     module(torch.tensor([1.0, -1.0]), True).backward()
     assert len(sent) == 1
-    rows, inputs, used = sent[0]
+    rows, _, used = sent[0]
     assert used == [True, True, True]
     for row, want, param in zip(rows, reference_grads(True), module.parameters()):
         assert torch.equal(row, want.reshape(row.shape)) and param.grad is None  # the parameter keeps no copy

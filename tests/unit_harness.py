@@ -44,7 +44,12 @@ from lins_dtensor.layout import chunk_rows, chunk_start
 from lins_dtensor.mesh import MESH_DIMS, LinsMesh, mesh_shape
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.schedule import CollectiveSpec
-from lins_dtensor.units import LinsUnit, ReplicatedParams, ShardContext, TensorParallelSlice
+from lins_dtensor.units import (
+    LinsUnit,
+    ReplicatedParams,
+    ShardContext,
+    TensorParallelSlice,
+)
 
 
 def world1_device_mesh() -> DeviceMesh:
@@ -60,7 +65,7 @@ class SimGroup:
     """One rank's handle on a process group of simulated ranks: what
     ``ShardContext.group`` returns, and what the fake collectives receive."""
 
-    world: "SimWorld"
+    world: SimWorld
     rank: int
     dim: str
     members: tuple[int, ...]  # global ranks, in group-rank order
@@ -113,7 +118,7 @@ class _Collective:
 class SimFlight:
     """A simulated collective in flight on one rank (the executor's Flight contract)."""
 
-    def __init__(self, world: "SimWorld", rank: int, collective: _Collective, spec: CollectiveSpec) -> None:
+    def __init__(self, world: SimWorld, rank: int, collective: _Collective, spec: CollectiveSpec) -> None:
         self.world, self.rank, self.collective = world, rank, collective
         self.timing = CommTiming(spec.name, spec.state, 0.0)
 
@@ -128,7 +133,7 @@ class SimMesh:
     """The LinsMesh methods ShardContext and LinsUnit use, for simulated rank ``rank``
     of ``plan`` over ``world_size`` ranks (the rank layout of ``build_lins_mesh``)."""
 
-    def __init__(self, world: "SimWorld", rank: int) -> None:
+    def __init__(self, world: SimWorld, rank: int) -> None:
         self.world, self.rank = world, rank
         self.device_mesh = world.device_mesh  # labels the masters' DTensors only
 
@@ -220,7 +225,7 @@ class SimWorld:
 
     def _starter(self, kind: str) -> Callable[..., SimFlight]:
         def start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, *args) -> SimFlight:
-            *tensors, group, step = args
+            *tensors, group, _step = args  # every collective here belongs to the step under test
             message = tensors[1] if kind == "reduce_scatter" else tensors[0]
             self.issued.append(Issued(group.rank, spec, len(group.members), message.numel()))
             key = (group.dim, group.members)
