@@ -32,6 +32,7 @@ def worst_rel_err(params: dict, ref: dict) -> float:
     return max(rel_err(params[k], ref[k]) for k in params)
 
 
+@pytest.mark.quick
 def test_every_world4_plan_matches_fp32_reference(world4_runs, references):
     assert [run["config"] for run in world4_runs] == WORLD4_RUNS
     for run in world4_runs:
@@ -164,6 +165,7 @@ def test_blocks_in_nested_containers_are_units_and_train_like_one_process(nested
         assert all(info["bytes_match"] and info["memory"] == info["memory_expected"] for info in run["per_rank"]), (tree, cfg)
 
 
+@pytest.mark.quick
 def test_default_units_walk_containers_not_layer_stacks():
     """What counts as a container of blocks: a Sequential of repeated blocks is walked;
     a Sequential MLP and a block holding its own ModuleList (experts) stay one unit."""
@@ -236,12 +238,14 @@ def test_reduce_in_backward_matches_reference_and_bytes(overlap_runs, references
         assert all(info["bytes_match"] for info in run["per_rank"]), cfg
 
 
+@pytest.mark.quick
 def test_parameters_equal_masters_in_fp32(world4_runs):
     for run in world4_runs:
         for name, value in run["params"].items():
             assert torch.equal(value, run["masters"][name]), f"{run['config'].plan}: {name} P != OS master"
 
 
+@pytest.mark.quick
 def test_frozen_parameters_are_untouched(world4_runs):
     assert all(run["frozen_unchanged"] for run in world4_runs)
     assert all("pos" not in run["masters"] for run in world4_runs)

@@ -11,6 +11,7 @@ from lins_dtensor import LinsPlan
 from lins_dtensor.schedule import CollectiveRecord, Op, summarize
 
 
+@pytest.mark.quick
 def test_recorded_collectives_equal_schedule_on_every_rank(world4_runs):
     for run_ in world4_runs:
         for rank, info in enumerate(run_["per_rank"]):
@@ -24,6 +25,7 @@ def test_recorded_collectives_equal_schedule_world8(world8_runs):
             assert info["bytes_match"], f"{run_['config']} rank {rank}: counted {info['counted']} predicted {info['predicted']}"
 
 
+@pytest.mark.quick
 def test_measured_memory_equals_schedule_with_padding(world4_runs):
     for run_ in world4_runs:
         for info in run_["per_rank"]:
@@ -80,6 +82,7 @@ def test_memory_within_5_percent_of_closed_form(even_runs):
                 assert abs(info["memory"][state] - value) <= 0.05 * value, (plan, state, info["memory"][state], value)
 
 
+@pytest.mark.quick
 def test_summarize_groups_by_state_op_link():
     records = [
         CollectiveRecord("a", "params", Op.ALL_GATHER, 4, 2, 100, count=2),
@@ -102,6 +105,7 @@ def _one_unit(plan: LinsPlan, rows: int = 64, cols: int = 32) -> list:
     return [UnitSchedule(UnitGeometry.build([torch.Size((rows, cols))], plan, zero))]
 
 
+@pytest.mark.quick
 def test_local_copies_follow_the_runtime_paths():
     """With P sharded, FSDP2 copies around every gather and reduce-scatter, per
     micro-batch; with P replicated there is no FSDP2 and no copy in forward. The first
@@ -138,6 +142,7 @@ def test_local_copies_follow_the_runtime_paths():
     assert four["backward"] - one["backward"] == 3 * (2 * full + (2 * full + 2 * p_shard) + (p_shard + 2 * g_chunk) + 3 * g_chunk) * b
 
 
+@pytest.mark.quick
 def test_local_copies_of_hpz_regather_from_the_post_forward_shard():
     from lins_dtensor.schedule import local_copy_bytes
 
@@ -149,6 +154,7 @@ def test_local_copies_of_hpz_regather_from_the_post_forward_shard():
     assert hpz["backward"] == (2 * full + 2 * full // 8) * b + 2 * full * b + shard  # re-gather from it
 
 
+@pytest.mark.quick
 def test_chain_buffers_are_what_the_chains_allocate():
     """Bytes per chain: the gradient a G chain is handed (the P shard), packed inputs
     and gathered outputs, none where a level is one rank wide or the OS layout is the G

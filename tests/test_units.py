@@ -1,6 +1,6 @@
 """LinsUnit in one process: its gradient chains (micro-batches into G, G to the OS
 layout), the masters' gradients (unused parameters keep None), the update chain back
-to P and the end of a step, over 4 simulated ranks of every plan
+to P and the end of a step, over 4 or 8 simulated ranks of every plan
 (tests/unit_harness.py); and ReplicatedParams' gradient bucket."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from lins_dtensor.schedule import (
     UnitGeometry,
 )
 from lins_dtensor.units import ReplicatedParams
+
+pytestmark = pytest.mark.quick  # in one process
 
 # Rows that 2, 4 and 8 ranks cut unevenly, down to empty chunks (1 row over 4 ranks).
 SHAPES = [(5, 3), (7,), (2, 2), (1, 4)]
