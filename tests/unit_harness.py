@@ -186,11 +186,12 @@ class SimWorld:
     def __init__(self, plan: LinsPlan, world_size: int, device_mesh: DeviceMesh, shapes: Sequence[tuple[int, ...]],
                  param_dtype: torch.dtype = torch.float32) -> None:
         self.plan, self.world_size, self.device_mesh = plan, world_size, device_mesh
-        self.sizes = dict(zip(MESH_DIMS, mesh_shape(plan, world_size)))
         r, p, g, o = mesh_shape(plan, world_size)
-        grid = torch.arange(world_size).view(r, o, g, p).permute(0, 3, 2, 1)  # as build_lins_mesh lays ranks out
-        self.grid = grid
-        self.coordinates = [dict(zip(MESH_DIMS, (int(i) for i in (grid == rank).nonzero()[0]))) for rank in range(world_size)]
+        self.sizes = dict(zip(MESH_DIMS, (r, p, g, o)))
+        # build_lins_mesh's layout: ranks in (replica, optim, grad, param) order, the
+        # dims listed as MESH_DIMS.
+        self.grid = torch.arange(world_size).view(r, o, g, p).permute(0, 3, 2, 1)
+        self.coordinates = [dict(zip(MESH_DIMS, (int(i) for i in (self.grid == rank).nonzero()[0]))) for rank in range(world_size)]
         self.issued: list[Issued] = []
         self._pending: dict[tuple[str, tuple[int, ...], int], _Collective] = {}
         self._calls: dict[tuple[int, str], int] = {}  # collectives each rank issued on each of its groups
