@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fake_device import FakeDevice
 from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh, clip_grad_norm_, lins_optimizer, lins_stats, set_gradient_accumulation_steps
 from lins_dtensor.runtime import lins_state
-from scenarios import LR, MAX_NORM, WEIGHT_DECAY
+from scenarios import LR, MAX_NORM, WEIGHT_DECAY, LinsRun
 from tiny_llama import batch, build_model, loss_fn
 
 
@@ -20,22 +20,22 @@ def _masters(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
 
 
-def train_on_fake_device(configs: list[dict]) -> list[dict]:
-    """Each config: plan, microbatches, steps, ranks_per_node, optional max_inflight_bytes
-    and param_dtype. Trains as a trainer does (Lins told M, clipping) with Lins'
+def train_on_fake_device(configs: list[LinsRun]) -> list[dict]:
+    """Each run's plan, microbatches, steps, ranks_per_node, max_inflight_bytes and
+    param_dtype (the rest is fixed). Trains as a trainer does (Lins told M, clipping) with Lins'
     communication on a :class:`FakeDevice`; returns the masters, the host syncs during
     training, and any breach of the input rule (inputs held beyond the bound, or dropped
     before the stream that made them waited for their chain)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
-        plan = LinsPlan.parse(cfg["plan"], world)
+        plan = LinsPlan.parse(cfg.plan, world)
         model = build_model()
-        mesh = build_lins_mesh(plan, ranks_per_node=cfg["ranks_per_node"], device_type="cpu")
+        mesh = build_lins_mesh(plan, ranks_per_node=cfg.ranks_per_node, device_type="cpu")
         device = FakeDevice()
         with device.installed():
-            apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=cfg.get("param_dtype"), reduce_dtype=torch.float32),
-                       max_inflight_bytes=cfg.get("max_inflight_bytes"))
+            apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=torch.float32),
+                       max_inflight_bytes=cfg.max_inflight_bytes)
         executor = lins_state(model).executor
         violations = []
         enqueue, release = executor._enqueue, executor._release_inputs
@@ -53,9 +53,9 @@ def train_on_fake_device(configs: list[dict]) -> list[dict]:
 
         executor._enqueue, executor._release_inputs = checked_enqueue, checked_release
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-        mbs = cfg["microbatches"]
+        mbs = cfg.microbatches
         set_gradient_accumulation_steps(model, mbs)
-        for step in range(cfg["steps"]):
+        for step in range(cfg.steps):
             for mb in range(mbs):
                 (loss_fn(model, batch(step, rank, mb)) / mbs).backward()
             clip_grad_norm_(model, MAX_NORM)

@@ -4,8 +4,10 @@ plain data for the tests to check."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections import Counter
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -71,50 +73,87 @@ def _record_key(r):
     return (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes)
 
 
-def train_lins(configs: list[dict]) -> list[dict]:
-    """Each config: plan, microbatches, steps, ranks_per_node; optional param_dtype,
-    model_kwargs, clip (default True), max_inflight_bytes, units ("Block": by class), param_groups
-    (:func:`decay_groups` given as "params" or as "names"), init
-    ("meta": built on the meta device, to_empty, then loaded; "assign": loaded with
-    load_state_dict(assign=True) after apply_lins), tp (tensor-parallel degree: the model
-    is parallelised with torchtitan's plan on the Lins mesh's TP dim first, and TP ranks
-    share their data-parallel rank's batches), and how Lins learns which
-    micro-batch is the last: mode "explicit" (default: set_requires_gradient_sync before
-    each micro-batch, True on the last one only with reduce_in_backward), "told"
-    (set_gradient_accumulation_steps(told_steps or M) once) or "learned" (nothing)."""
+@dataclasses.dataclass(frozen=True)
+class LinsRun:
+    """One training run of :func:`train_lins`: the tiny model under Lins for ``steps``
+    AdamW steps of ``microbatches`` micro-batches each, on every rank of the launch.
+    The fields past the first four change one thing each from the plain run."""
+
+    plan: str  # LinsPlan.parse text, over the data-parallel ranks (world / tp)
+    microbatches: int
+    steps: int
+    ranks_per_node: int
+    param_dtype: torch.dtype | None = None  # MixedPrecisionPolicy.param_dtype (None: the model's fp32)
+    model_kwargs: dict = dataclasses.field(default_factory=dict)  # build_model's (tiny_llama.py)
+    clip: bool = True  # clip_grad_norm_ to MAX_NORM before each step
+    max_inflight_bytes: int | None = None  # apply_lins' bound (None: its default)
+    units: Literal["Block"] | None = None  # "Block": units given as a block class; None: the default units
+    param_groups: Literal["params", "names"] | None = None  # decay_groups handed to lins_optimizer as parameters or names
+    # None: built materialised; "meta": on the meta device, to_empty, then a full state
+    # dict; "assign": load_state_dict(assign=True) after apply_lins.
+    init: Literal["meta", "assign"] | None = None
+    # Tensor-parallel degree: torchtitan's plan on the Lins mesh's TP dim first, and TP
+    # ranks share their data-parallel rank's batches.
+    tp: int = 1
+    # How Lins learns which micro-batch is the last: "explicit" sets
+    # set_requires_gradient_sync before each micro-batch (True on the last one only with
+    # reduce_in_backward); "told" calls set_gradient_accumulation_steps(told_steps or M)
+    # once; "learned" does nothing.
+    mode: Literal["explicit", "told", "learned"] = "explicit"
+    reduce_in_backward: bool = False
+    told_steps: int | None = None
+    tree_name: str | None = None  # which NESTED_TREES entry model_kwargs is (conftest.py): a label
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpRun:
+    """One training run of :func:`train_fsdp`: stock FSDP2 (``shard`` == data-parallel
+    ranks) or HSDP (``shard`` smaller), same model, data and optimizer as :class:`LinsRun`."""
+
+    shard: int
+    microbatches: int
+    steps: int
+    ranks_per_node: int
+    param_dtype: torch.dtype | None = None
+    model_kwargs: dict = dataclasses.field(default_factory=dict)
+    tp: int = 1
+
+
+def train_lins(configs: list[LinsRun]) -> list[dict]:
+    """Each :class:`LinsRun` in turn; per run, what the tests compare: the masters and
+    parameters (whole), the recorded collectives against the schedule's and the memory
+    against its closed form on every rank, the units, and Lins' warnings."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
-        tp = cfg.get("tp", 1)
-        plan = LinsPlan.parse(cfg["plan"], world // tp)
-        init = cfg.get("init")  # None, "meta" (to_empty, then a full state dict) or "assign"
+        tp = cfg.tp
+        plan = LinsPlan.parse(cfg.plan, world // tp)
+        init = cfg.init
         with torch.device("meta") if init == "meta" else contextlib.nullcontext():
-            model = build_model(**cfg.get("model_kwargs", {}))
-        reference = build_model(**cfg.get("model_kwargs", {}))  # the same values, unsharded
+            model = build_model(**cfg.model_kwargs)
+        reference = build_model(**cfg.model_kwargs)  # the same values, unsharded
         frozen_before = reference.pos.detach().clone()
-        mesh = build_lins_mesh(plan, ranks_per_node=cfg["ranks_per_node"], device_type="cpu", tp=tp)
+        mesh = build_lins_mesh(plan, ranks_per_node=cfg.ranks_per_node, device_type="cpu", tp=tp)
         if tp > 1:
             tensor_parallelize(model, mesh.tp_mesh())
-        param_dtype = cfg.get("param_dtype")
+        param_dtype = cfg.param_dtype
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-                   max_inflight_bytes=cfg.get("max_inflight_bytes"), units=Block if cfg.get("units") == "Block" else None)
+                   max_inflight_bytes=cfg.max_inflight_bytes, units=Block if cfg.units == "Block" else None)
         if init == "meta":
             model.to_empty(device="cpu")
         if init is not None:  # the values come from a plain full state dict
             model.load_state_dict(reference.state_dict(), assign=init == "assign")
-        groups = cfg.get("param_groups")  # None, or decay_groups of the "params" or their "names"
-        params = None if groups is None else decay_groups(model.named_parameters(), by_name=groups == "names")
+        params = None if cfg.param_groups is None else decay_groups(model.named_parameters(), by_name=cfg.param_groups == "names")
         opt = lins_optimizer(model, torch.optim.AdamW, params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-        mbs, mode, clip = cfg["microbatches"], cfg.get("mode", "explicit"), cfg.get("clip", True)
-        reduce_in_backward = cfg.get("reduce_in_backward", False)
+        mbs, mode, clip = cfg.microbatches, cfg.mode, cfg.clip
         if mode == "told":
-            set_gradient_accumulation_steps(model, cfg.get("told_steps", mbs))
+            set_gradient_accumulation_steps(model, cfg.told_steps or mbs)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step in range(cfg["steps"]):
+            for step in range(cfg.steps):
                 for mb in range(mbs):
                     if mode == "explicit":
-                        set_requires_gradient_sync(model, reduce_in_backward and mb == mbs - 1)
+                        set_requires_gradient_sync(model, cfg.reduce_in_backward and mb == mbs - 1)
                     (loss_fn(model, batch(step, rank // tp, mb)) / mbs).backward()
                 if clip:
                     clip_grad_norm_(model, MAX_NORM)
@@ -126,7 +165,7 @@ def train_lins(configs: list[dict]) -> list[dict]:
         stats = lins_stats(model)
         pdt = param_dtype or torch.float32
         expected = step_collectives(
-            plan, state.schedule(), world_size=world // tp, ranks_per_node=cfg["ranks_per_node"] // tp, microbatches=mbs,
+            plan, state.schedule(), world_size=world // tp, ranks_per_node=cfg.ranks_per_node // tp, microbatches=mbs,
             param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, clip_grad_norm=clip, tp=tp,
         )
         counted = Counter(_record_key(r) for r in stats.collectives)
@@ -164,7 +203,7 @@ def train_lins(configs: list[dict]) -> list[dict]:
     return results
 
 
-def train_fsdp(configs: list[dict]) -> list[dict]:
+def train_fsdp(configs: list[FsdpRun]) -> list[dict]:
     """FSDP2 (shard == world / tp) or HSDP (shard smaller) with the same model, data and
     optimizer; with ``tp`` > 1 on torchtitan's 2-D (dp, tp) mesh after the TP plan.
 
@@ -177,9 +216,9 @@ def train_fsdp(configs: list[dict]) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
-        shard, tp = cfg["shard"], cfg.get("tp", 1)
+        shard, tp = cfg.shard, cfg.tp
         dp = world // tp
-        model = build_model(**cfg.get("model_kwargs", {}))
+        model = build_model(**cfg.model_kwargs)
         if tp > 1:
             world_mesh = init_device_mesh("cpu", (dp // shard, shard, tp), mesh_dim_names=("replicate", "shard", "tp"))
             tensor_parallelize(model, world_mesh["tp"])
@@ -188,9 +227,9 @@ def train_fsdp(configs: list[dict]) -> list[dict]:
             mesh = init_device_mesh("cpu", (world,))
         else:
             mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-        mp = MixedPrecisionPolicy(param_dtype=cfg.get("param_dtype"), reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=torch.float32)
         frozen = {model.pos}
-        recorder = CommRecorder(cfg["ranks_per_node"])
+        recorder = CommRecorder(cfg.ranks_per_node)
         modules = [model.tok_embeddings, *model.layers, model.norm, model.output, model]
         for m in modules:
             fully_shard(m, mesh=mesh, mp_policy=mp, ignored_params=frozen)
@@ -202,8 +241,8 @@ def train_fsdp(configs: list[dict]) -> list[dict]:
                 m.set_all_reduce_hook(lambda out, g=group: recorder.record(OPTIM_ALL_REDUCE, g, out))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _optimizer(params)
-        mbs = cfg["microbatches"]
-        for step in range(cfg["steps"]):
+        mbs = cfg.microbatches
+        for step in range(cfg.steps):
             for mb in range(mbs):
                 (loss_fn(model, batch(step, rank // tp, mb)) / mbs).backward()
             torch.nn.utils.clip_grad_norm_(params, MAX_NORM)

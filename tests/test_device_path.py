@@ -10,6 +10,7 @@ import torch
 from conftest import STEPS
 from device_scenarios import forward_prefetch, forward_prefetch_on_fake_device, step_writes_after_pending_gathers, train_on_fake_device
 from distributed import run
+from scenarios import LinsRun
 from test_runtime import _key
 
 # P replicated (no FSDP2), P inside the node (FSDP2 hands Lins its output), fsdp (every
@@ -19,9 +20,9 @@ DEVICE_PLANS = ["p=1,g=2,os=4", "p=2,g=2,os=4", "p=2,g=4,os=4", "fsdp", "hpz:2"]
 
 @pytest.fixture(scope="module")
 def device_runs():
-    configs = [dict(plan=p, microbatches=3, steps=STEPS, ranks_per_node=2) for p in DEVICE_PLANS]
+    configs = [LinsRun(p, 3, STEPS, 2) for p in DEVICE_PLANS]
     # A bound that lets one chain at a time hold bytes: the device path waits on streams.
-    configs.append(dict(plan="p=1,g=2,os=4", microbatches=3, steps=STEPS, ranks_per_node=2, max_inflight_bytes=1))
+    configs.append(LinsRun("p=1,g=2,os=4", 3, STEPS, 2, max_inflight_bytes=1))
     return run(train_on_fake_device, 4, configs)
 
 

@@ -12,6 +12,8 @@ from lins_dtensor.collectives import CommStream, CommTiming
 from lins_dtensor.executor import Chain, Executor, Request
 from lins_dtensor.stats import LinsStats
 
+pytestmark = pytest.mark.quick  # in one process
+
 
 class FakeFlight:
     """A collective that completes when the test says so (or when joined)."""

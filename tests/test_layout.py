@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lins_dtensor.layout import ChunkLayout, chunk_rows
+
+pytestmark = pytest.mark.quick  # in one process
 
 
 def test_chunk_rows_is_torch_chunk():

@@ -6,6 +6,8 @@ import pytest
 
 from lins_dtensor import LinsPlan, LinsPlanError, valid_plans
 
+pytestmark = pytest.mark.quick  # in one process
+
 
 def test_parse_text_and_round_trip():
     plan = LinsPlan.parse("p=4, g=4, os=8")

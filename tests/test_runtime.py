@@ -6,8 +6,21 @@ import pytest
 import torch
 
 from distributed import run as run_ranks
-from lins_dtensor import LinsPlan, valid_plans
-from scenarios import masters_from_initialisation
+from lins_dtensor import LinsPlan
+from conftest import (
+    ASYNC_LEARNED,
+    ASYNC_MISCOUNTED,
+    ASYNC_ONE_CHAIN,
+    ASYNC_TOLD,
+    NESTED_TREE_RUNS,
+    OVERLAP_RUNS,
+    PARAM_GROUP_RUNS,
+    REINIT_RUNS,
+    TIED_RUNS,
+    WORLD4_RUNS,
+    WORLD8_RUNS,
+)
+from scenarios import LinsRun, masters_from_initialisation
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -19,33 +32,35 @@ def worst_rel_err(params: dict, ref: dict) -> float:
     return max(rel_err(params[k], ref[k]) for k in params)
 
 
+@pytest.mark.quick
 def test_every_world4_plan_matches_fp32_reference(world4_runs, references):
-    assert len(world4_runs) == 2 * len(valid_plans(4, 2, with_hpz=True)) == 22
+    assert [run["config"] for run in world4_runs] == WORLD4_RUNS
     for run in world4_runs:
         cfg = run["config"]
-        err = worst_rel_err(run["masters"], references[(4, cfg["microbatches"])])
-        assert err < 1e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
+        err = worst_rel_err(run["masters"], references[(4, cfg.microbatches)])
+        assert err < 1e-5, f"{cfg.plan} M={cfg.microbatches}: relative error {err:.2e}"
 
 
 @pytest.mark.slow
 def test_world8_plans_match_fp32_reference(world8_runs, references):
     # At world 8 the summation order of 8 ranks' gradients leaves stock FSDP2 itself
     # 1.2e-5 from the single-process reference on one weight after 3 AdamW steps with
-    # M = 3 (Adam divides by a small second moment there; the suite runs M = 1 and 2); Lins' fsdp plan is bitwise
+    # M = 3 (Adam divides by a small second moment there; the suite runs M = 2); Lins' fsdp plan is bitwise
     # equal to stock FSDP2. A wrong reduction is off by 1e-3 or more.
-    at_step = {_key(r["config"], 8): r for r in world8_runs if r["config"].get("mode", "explicit") == "explicit"}
+    assert [r["config"] for r in world8_runs] == WORLD8_RUNS
+    at_step = {_key(r["config"], 8): r for r in world8_runs if r["config"].mode == "explicit"}
     for run in world8_runs:
         cfg = run["config"]
-        err = worst_rel_err(run["masters"], references[(8, cfg["microbatches"])])
-        assert err < 3e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
-        if cfg.get("mode") == "told":  # the overlapped executor: the step path's bits
+        err = worst_rel_err(run["masters"], references[(8, cfg.microbatches)])
+        assert err < 3e-5, f"{cfg.plan} M={cfg.microbatches}: relative error {err:.2e}"
+        if cfg.mode == "told":  # the overlapped executor: the step path's bits
             for name, value in run["masters"].items():
-                assert torch.equal(value, at_step[_key(cfg, 8)]["masters"][name]), f"{cfg['plan']} M={cfg['microbatches']}: {name}"
+                assert torch.equal(value, at_step[_key(cfg, 8)]["masters"][name]), f"{cfg.plan} M={cfg.microbatches}: {name}"
 
 
-def _key(cfg: dict, world_size: int = 4) -> tuple:
+def _key(cfg: LinsRun, world_size: int = 4) -> tuple[str, int]:
     """Runs are matched by the plan they resolve to ("fsdp" is p=4,g=4,os=4 at world 4)."""
-    return str(LinsPlan.parse(cfg["plan"], world_size=world_size)), cfg["microbatches"]
+    return str(LinsPlan.parse(cfg.plan, world_size=world_size)), cfg.microbatches
 
 
 def test_overlapped_executor_is_bitwise_the_step_path(async_runs, world4_runs, references, references_without_clipping):
@@ -53,17 +68,17 @@ def test_overlapped_executor_is_bitwise_the_step_path(async_runs, world4_runs, r
     forward give the very bits of reductions and gathers at the step, with and without
     clipping; bytes and memory are the schedule's on every rank."""
     at_step = {_key(r["config"]): r for r in world4_runs}
-    told = [r for r in async_runs if r["config"]["mode"] == "told" and "told_steps" not in r["config"]
-            and "max_inflight_bytes" not in r["config"]]
-    assert len(told) == 2 * 2 * len(valid_plans(4, 2, with_hpz=True)) == 44  # M x clipping
+    told = async_runs[: len(ASYNC_TOLD)]
+    assert [r["config"] for r in told] == ASYNC_TOLD
+    assert {(c.plan, c.microbatches) for c in ASYNC_TOLD if c.clip} == {(c.plan, c.microbatches) for c in WORLD4_RUNS}
     for run in told:
         cfg = run["config"]
-        if cfg["clip"]:
+        if cfg.clip:
             for name, value in run["masters"].items():
-                assert torch.equal(value, at_step[_key(cfg)]["masters"][name]), f"{cfg['plan']} M={cfg['microbatches']}: {name}"
+                assert torch.equal(value, at_step[_key(cfg)]["masters"][name]), f"{cfg.plan} M={cfg.microbatches}: {name}"
         else:
-            err = worst_rel_err(run["masters"], references_without_clipping[cfg["microbatches"]])
-            assert err < 1e-5, f"{cfg['plan']} M={cfg['microbatches']} without clipping: relative error {err:.2e}"
+            err = worst_rel_err(run["masters"], references_without_clipping[cfg.microbatches])
+            assert err < 1e-5, f"{cfg.plan} M={cfg.microbatches} without clipping: relative error {err:.2e}"
         for name, value in run["params"].items():
             assert torch.equal(value, run["masters"][name]), f"{cfg}: {name} P != OS master"
         for rank, info in enumerate(run["per_rank"]):
@@ -78,12 +93,12 @@ def test_learned_or_miscounted_microbatches_and_a_tight_byte_bound_change_nothin
     too small warns once and reduces each extra backward's gradient on its own: the same
     sum in another order, so within the reference tolerance rather than bitwise."""
     at_step = {_key(r["config"]): r for r in world4_runs}
-    others = [r for r in async_runs if r["config"]["mode"] == "learned" or "told_steps" in r["config"] or "max_inflight_bytes" in r["config"]]
-    assert len(others) == 4 + 2 + 6
+    others = async_runs[len(ASYNC_TOLD):]
+    assert [r["config"] for r in others] == ASYNC_LEARNED + ASYNC_MISCOUNTED + ASYNC_ONE_CHAIN
     for run in others:
         cfg = run["config"]
-        if "told_steps" in cfg:
-            err = worst_rel_err(run["masters"], references[(4, cfg["microbatches"])])
+        if cfg.told_steps is not None:
+            err = worst_rel_err(run["masters"], references[(4, cfg.microbatches)])
             assert err < 1e-5, f"{cfg}: relative error {err:.2e}"
             assert len(run["lins_warnings"]) == 1 and "backward pass 3" in run["lins_warnings"][0], run["lins_warnings"]
             continue
@@ -94,7 +109,7 @@ def test_learned_or_miscounted_microbatches_and_a_tight_byte_bound_change_nothin
 
 
 def test_lins_stats_splits_collective_time_into_exposed_and_hidden(async_runs):
-    run = next(r for r in async_runs if r["config"]["plan"] == "p=1,g=2,os=4" and r["config"]["mode"] == "told")
+    run = next(r for r in async_runs if r["config"].plan == "p=1,g=2,os=4" and r["config"].mode == "told")
     comm = run["comm_time"]
     assert set(comm) == {"grads", "optim"}  # P is replicated: FSDP2 and its collectives are gone
     for state in ("grads", "optim"):
@@ -110,14 +125,14 @@ def test_tied_embeddings_in_a_nested_tree_train_like_one_process(tied_runs):
     tied embedding / output head goes to the root unit (FSDP2 refuses it split across
     two), and both state-dict keys carry the one master."""
     runs, ref = tied_runs
-    assert len(runs) == 4
+    assert [run["config"] for run in runs] == TIED_RUNS
     for run in runs:
         cfg = run["config"]
         err = worst_rel_err(run["masters"], ref)
-        assert err < 1e-5, f"{cfg['plan']} units={cfg.get('units')}: relative error {err:.2e}"
+        assert err < 1e-5, f"{cfg.plan} units={cfg.units}: relative error {err:.2e}"
         assert torch.equal(run["masters"]["output.weight"], run["masters"]["transformer.tok_embeddings.weight"])
         blocks = ["transformer.layers.0", "transformer.layers.1"]
-        expected = blocks + ([] if cfg.get("units") else ["transformer.norm"]) + ["<root>"]
+        expected = blocks + ([] if cfg.units else ["transformer.norm"]) + ["<root>"]
         assert run["units"] == expected, run["units"]
         assert all(info["bytes_match"] and info["memory"] == info["memory_expected"] for info in run["per_rank"]), cfg
 
@@ -139,16 +154,18 @@ def test_blocks_in_nested_containers_are_units_and_train_like_one_process(nested
     container itself has no forward for FSDP2 to hook), and every plan at world 4
     trains like one process, with the schedule's bytes and memory on every rank."""
     runs, refs = nested_tree_runs
-    assert len(runs) == len(NESTED_TREE_UNITS) * len(valid_plans(4, 2, with_hpz=True))
+    assert [run["config"] for run in runs] == NESTED_TREE_RUNS
+    assert {run["config"].tree_name for run in runs} == NESTED_TREE_UNITS.keys()
     for run in runs:
         cfg = run["config"]
-        tree = cfg["tree_name"]
+        tree = cfg.tree_name
         assert run["units"] == NESTED_TREE_UNITS[tree], (tree, run["units"])
         err = worst_rel_err(run["masters"], refs[tree])
-        assert err < 1e-5, f"{tree} {cfg['plan']}: relative error {err:.2e}"
+        assert err < 1e-5, f"{tree} {cfg.plan}: relative error {err:.2e}"
         assert all(info["bytes_match"] and info["memory"] == info["memory_expected"] for info in run["per_rank"]), (tree, cfg)
 
 
+@pytest.mark.quick
 def test_default_units_walk_containers_not_layer_stacks():
     """What counts as a container of blocks: a Sequential of repeated blocks is walked;
     a Sequential MLP and a block holding its own ModuleList (experts) stay one unit."""
@@ -175,12 +192,12 @@ def test_param_groups_match_torch_adamw_with_the_same_groups(param_group_runs):
     to lins_optimizer as torch.optim takes them: every plan at world 4 trains like
     torch.optim.AdamW with the same groups in one process, and not like one group."""
     runs, refs = param_group_runs
-    assert len(runs) == len(valid_plans(4, 2, with_hpz=True))
-    assert {run["config"]["param_groups"] for run in runs} == {"params", "names"}
+    assert [run["config"] for run in runs] == PARAM_GROUP_RUNS
+    assert {run["config"].param_groups for run in runs} == {"params", "names"}
     for run in runs:
         cfg = run["config"]
         err = worst_rel_err(run["masters"], refs[True])
-        assert err < 1e-5, f"{cfg['plan']} groups by {cfg['param_groups']}: relative error {err:.2e}"
+        assert err < 1e-5, f"{cfg.plan} groups by {cfg.param_groups}: relative error {err:.2e}"
         for name, value in run["params"].items():
             assert torch.equal(value, run["masters"][name]), f"{cfg}: {name} P != OS master"
     one_group = worst_rel_err(runs[0]["masters"], refs[False])
@@ -191,11 +208,11 @@ def test_replaced_parameters_are_followed(reinit_runs, references):
     """to_empty after a meta-device build, and load_state_dict(assign=True), swap the
     parameter objects (FSDP2's or the model's own); Lins follows them, so training from
     the loaded values is training from them."""
-    assert len(reinit_runs) == 4
+    assert [run["config"] for run in reinit_runs] == REINIT_RUNS
     for run in reinit_runs:
         cfg = run["config"]
         err = worst_rel_err(run["masters"], references[(4, 1)])
-        assert err < 1e-5, f"{cfg['plan']} init={cfg['init']}: relative error {err:.2e}"
+        assert err < 1e-5, f"{cfg.plan} init={cfg.init}: relative error {err:.2e}"
         for name, value in run["params"].items():
             assert torch.equal(value, run["masters"][name]), f"{cfg}: {name} P != OS master"
 
@@ -204,27 +221,31 @@ def test_masters_hold_the_full_precision_initial_values():
     """bf16 parameters of an fp32 model: the masters start from the fp32 values the model
     was built with or initialised to after meta-device sharding (torchtitan's way), not
     from their bf16 rounding; P holds that rounding. Replicated and FSDP2-sharded P."""
-    results = run_ranks(masters_from_initialisation, 4, ["p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"])
-    assert len(results) == 6
+    plans = ["p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"]
+    results = run_ranks(masters_from_initialisation, 4, plans)
+    assert [(r["plan"], r["init"]) for r in results] == [(p, init) for p in plans for init in ("materialised", "meta")]
     for result in results:
         for rank, mine in enumerate(result["per_rank"]):
             assert mine == {"masters_exact": True, "params_bf16": True}, (result["plan"], result["init"], rank, mine)
 
 
 def test_reduce_in_backward_matches_reference_and_bytes(overlap_runs, references):
+    assert [run["config"] for run in overlap_runs] == OVERLAP_RUNS
     for run in overlap_runs:
         cfg = run["config"]
-        err = worst_rel_err(run["masters"], references[(4, cfg["microbatches"])])
-        assert err < 1e-5, f"{cfg['plan']} M={cfg['microbatches']}: relative error {err:.2e}"
+        err = worst_rel_err(run["masters"], references[(4, cfg.microbatches)])
+        assert err < 1e-5, f"{cfg.plan} M={cfg.microbatches}: relative error {err:.2e}"
         assert all(info["bytes_match"] for info in run["per_rank"]), cfg
 
 
+@pytest.mark.quick
 def test_parameters_equal_masters_in_fp32(world4_runs):
     for run in world4_runs:
         for name, value in run["params"].items():
-            assert torch.equal(value, run["masters"][name]), f"{run['config']['plan']}: {name} P != OS master"
+            assert torch.equal(value, run["masters"][name]), f"{run['config'].plan}: {name} P != OS master"
 
 
+@pytest.mark.quick
 def test_frozen_parameters_are_untouched(world4_runs):
     assert all(run["frozen_unchanged"] for run in world4_runs)
     assert all("pos" not in run["masters"] for run in world4_runs)
@@ -234,7 +255,7 @@ def test_fsdp_equivalent_plans_match_fsdp2_and_hsdp(fsdp_runs):
     fsdp, lins = fsdp_runs
     for ref, mine in zip(fsdp[:2], lins[:2]):
         err = worst_rel_err(mine["masters"], ref["params"])
-        assert err < 1e-5, f"{mine['config']['plan']} vs FSDP2 shard={ref['config']['shard']}: {err:.2e}"
+        assert err < 1e-5, f"{mine['config'].plan} vs FSDP2 shard={ref['config'].shard}: {err:.2e}"
 
 
 def test_fsdp_equivalent_plans_send_fsdp2_bytes(fsdp_runs):
@@ -265,7 +286,7 @@ def test_bf16_error_is_within_fsdp2_bf16_error(fsdp_runs, references):
     assert fsdp_err > 1e-5, "bf16 reference run did not use bf16"
     for run in lins[2:]:
         err = worst_rel_err(run["masters"], ref)
-        assert err < 1.5 * fsdp_err + 1e-3 and err < 0.05, f"{run['config']['plan']} bf16: {err:.2e} vs FSDP2 bf16 {fsdp_err:.2e}"
+        assert err < 1.5 * fsdp_err + 1e-3 and err < 0.05, f"{run['config'].plan} bf16: {err:.2e} vs FSDP2 bf16 {fsdp_err:.2e}"
 
 
 def _fsdp2_adam_state_bytes() -> tuple[int, int]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from distributed import run
-from scenarios import train_lins
+from scenarios import LinsRun, train_lins
 from lins_dtensor import LinsPlan
 from lins_dtensor.schedule import CollectiveRecord, Op, summarize
 
 
+@pytest.mark.quick
 def test_recorded_collectives_equal_schedule_on_every_rank(world4_runs):
     for run_ in world4_runs:
         for rank, info in enumerate(run_["per_rank"]):
@@ -24,6 +25,7 @@ def test_recorded_collectives_equal_schedule_world8(world8_runs):
             assert info["bytes_match"], f"{run_['config']} rank {rank}: counted {info['counted']} predicted {info['predicted']}"
 
 
+@pytest.mark.quick
 def test_measured_memory_equals_schedule_with_padding(world4_runs):
     for run_ in world4_runs:
         for info in run_["per_rank"]:
@@ -37,7 +39,7 @@ PHI = 64 * 32 * 2 + 2 * (32 * 2 + 8 + 4 * 32 * 32 + 3 * 32 * 64) + 32
 @pytest.fixture(scope="module")
 def even_runs():
     plans = ["p=1,g=1,os=8", "p=2,g=4,os=8", "p=4,g=4,os=4", "p=8,g=8,os=8"]
-    cfgs = [dict(plan=p, microbatches=2, steps=1, ranks_per_node=4, model_kwargs=EVEN) for p in plans]
+    cfgs = [LinsRun(p, 2, 1, 4, model_kwargs=EVEN) for p in plans]
     return run(train_lins, 8, cfgs)
 
 
@@ -46,7 +48,7 @@ def test_bytes_follow_closed_form(even_runs):
     """Closed forms of schedule.py's docstring, fp32 everywhere (b_p = b_r = 4), M = 2."""
     n, m, b = 8, 2, 4
     for run_ in even_runs:
-        plan = LinsPlan.parse(run_["config"]["plan"], n)
+        plan = LinsPlan.parse(run_["config"].plan, n)
         sp, sg, so = plan.params, plan.grads, plan.optim
         records = [CollectiveRecord(name, "", Op(op), size, nodes, nbytes, count) for (name, op, size, nodes, nbytes), count in run_["records"].items()]
         by_name = {}
@@ -73,13 +75,14 @@ def test_bytes_follow_closed_form(even_runs):
 def test_memory_within_5_percent_of_closed_form(even_runs):
     """2Φ/s_p + 4Φ/s_g + 12Φ/s_os in the paper's bf16 form; here fp32 P: 4Φ/s_p."""
     for run_ in even_runs:
-        plan = LinsPlan.parse(run_["config"]["plan"], 8)
+        plan = LinsPlan.parse(run_["config"].plan, 8)
         closed = {"params": 4 * PHI / plan.params, "grads": 4 * PHI / plan.grads, "optim": 12 * PHI / plan.optim}
         for info in run_["per_rank"]:
             for state, value in closed.items():
                 assert abs(info["memory"][state] - value) <= 0.05 * value, (plan, state, info["memory"][state], value)
 
 
+@pytest.mark.quick
 def test_summarize_groups_by_state_op_link():
     records = [
         CollectiveRecord("a", "params", Op.ALL_GATHER, 4, 2, 100, count=2),
@@ -102,6 +105,7 @@ def _one_unit(plan: LinsPlan, rows: int = 64, cols: int = 32) -> list:
     return [UnitSchedule(UnitGeometry.build([torch.Size((rows, cols))], plan, zero))]
 
 
+@pytest.mark.quick
 def test_local_copies_follow_the_runtime_paths():
     """With P sharded, FSDP2 copies around every gather and reduce-scatter, per
     micro-batch; with P replicated there is no FSDP2 and no copy in forward. The first
@@ -138,6 +142,7 @@ def test_local_copies_follow_the_runtime_paths():
     assert four["backward"] - one["backward"] == 3 * (2 * full + (2 * full + 2 * p_shard) + (p_shard + 2 * g_chunk) + 3 * g_chunk) * b
 
 
+@pytest.mark.quick
 def test_local_copies_of_hpz_regather_from_the_post_forward_shard():
     from lins_dtensor.schedule import local_copy_bytes
 
@@ -149,6 +154,7 @@ def test_local_copies_of_hpz_regather_from_the_post_forward_shard():
     assert hpz["backward"] == (2 * full + 2 * full // 8) * b + 2 * full * b + shard  # re-gather from it
 
 
+@pytest.mark.quick
 def test_chain_buffers_are_what_the_chains_allocate():
     """Bytes per chain: the gradient a G chain is handed (the P shard), packed inputs
     and gathered outputs, none where a level is one rank wide or the OS layout is the G

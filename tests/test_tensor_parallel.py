@@ -6,12 +6,14 @@ and like one process on the union of the data-parallel ranks' batches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from distributed import run
 from lins_dtensor import LinsError, LinsPlan, LinsPlanError, valid_plans
-from scenarios import hooks_after_to_empty, reference, train_fsdp, train_lins
+from scenarios import FsdpRun, LinsRun, hooks_after_to_empty, reference, train_fsdp, train_lins
 from test_runtime import worst_rel_err
 
 STEPS = 3
@@ -20,9 +22,8 @@ WORLD4_PLANS = [str(p) for p in valid_plans(2, 1)]  # 2 nodes x 2 ranks, tp 2: o
 WORLD8_PLANS = ["p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp"]  # 2 nodes x 4, tp 2: P replicated, in the node, across nodes
 
 
-def _configs(plans: list[str], ranks_per_node: int, microbatches=(1, 2), **extra) -> list[dict]:
-    return [dict(plan=p, microbatches=m, steps=STEPS, ranks_per_node=ranks_per_node, tp=2, mode="told", model_kwargs=MODEL, **extra)
-            for p in plans for m in microbatches]
+def _configs(plans: list[str], ranks_per_node: int, microbatches=(1, 2), **extra) -> list[LinsRun]:
+    return [LinsRun(p, m, STEPS, ranks_per_node, tp=2, mode="told", model_kwargs=MODEL, **extra) for p in plans for m in microbatches]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,8 @@ def world4():
     place) and a full state dict loaded, with P replicated (no FSDP2) and sharded."""
     configs = _configs(WORLD4_PLANS, 2) + _configs(["p=1,g=1,os=2", "p=2,g=2,os=2"], 2, microbatches=(1,), init="meta")
     lins = run(train_lins, 4, configs + BF16_CONFIGS)
-    fsdp_cfgs = [dict(shard=2, tp=2, microbatches=m, steps=STEPS, ranks_per_node=2, model_kwargs=MODEL) for m in (1, 2)]
-    fsdp = run(train_fsdp, 4, fsdp_cfgs + [dict(fsdp_cfgs[0], param_dtype=torch.bfloat16)])
+    fsdp_cfgs = [FsdpRun(2, m, STEPS, 2, model_kwargs=MODEL, tp=2) for m in (1, 2)]
+    fsdp = run(train_fsdp, 4, fsdp_cfgs + [dataclasses.replace(fsdp_cfgs[0], param_dtype=torch.bfloat16)])
     refs = {m: reference(2, m, STEPS, model_kwargs=MODEL) for m in (1, 2)}
     return lins, fsdp, refs
 
@@ -45,13 +46,13 @@ BF16_CONFIGS = (_configs(["p=1,g=1,os=2", "p=2,g=2,os=2"], 2, microbatches=(1,),
 
 
 def _fp32(runs: list[dict]) -> list[dict]:
-    return [r for r in runs if r["config"].get("param_dtype") is None]
+    return [r for r in runs if r["config"].param_dtype is None]
 
 
 @pytest.fixture(scope="module")
 def world8():
     lins = run(train_lins, 8, _configs(WORLD8_PLANS, 4))
-    fsdp = run(train_fsdp, 8, [dict(shard=4, tp=2, microbatches=m, steps=STEPS, ranks_per_node=4, model_kwargs=MODEL) for m in (1, 2)])
+    fsdp = run(train_fsdp, 8, [FsdpRun(4, m, STEPS, 4, model_kwargs=MODEL, tp=2) for m in (1, 2)])
     refs = {m: reference(4, m, STEPS, model_kwargs=MODEL) for m in (1, 2)}
     return lins, fsdp, refs
 
@@ -61,12 +62,12 @@ def _check_parity(lins: list[dict], fsdp: list[dict], refs: dict, tol: float) ->
     3e-5 at world 8, where stock FSDP2 + TP itself is 1.0e-5 from one process (Adam
     amplifies the reassociated sums of 4 ranks' gradients on a small second moment)."""
     lins, fsdp = _fp32(lins), _fp32(fsdp)
-    fsdp_by_m = {r["config"]["microbatches"]: r["params"] for r in fsdp}
+    fsdp_by_m = {r["config"].microbatches: r["params"] for r in fsdp}
     for r in fsdp:  # the baseline itself: TP's split matmuls reassociate sums, nothing more
-        assert worst_rel_err(r["params"], refs[r["config"]["microbatches"]]) < tol
+        assert worst_rel_err(r["params"], refs[r["config"].microbatches]) < tol
     for r in lins:
-        cfg, m = r["config"], r["config"]["microbatches"]
-        what = f"{cfg['plan']} tp=2 M={m}"
+        cfg, m = r["config"], r["config"].microbatches
+        what = f"{cfg.plan} tp=2 M={m}"
         assert r["masters"].keys() == fsdp_by_m[m].keys(), what
         assert worst_rel_err(r["masters"], fsdp_by_m[m]) < tol, what
         assert worst_rel_err(r["masters"], refs[m]) < tol, what
@@ -90,12 +91,12 @@ def test_world4_bf16_error_is_within_fsdp2_tp_bf16_error(world4):
     """bf16 rounds every matmul input, so the bar is the non-TP one (test_runtime): at
     most 1.5x FSDP2 + TP's bf16 error from the fp32 reference plus 1e-3, below 5 %."""
     lins, fsdp, refs = world4
-    fsdp_err = worst_rel_err(next(r for r in fsdp if r["config"].get("param_dtype"))["params"], refs[1])
+    fsdp_err = worst_rel_err(next(r for r in fsdp if r["config"].param_dtype)["params"], refs[1])
     assert fsdp_err > 1e-5, "the bf16 baseline did not compute in bf16"
-    bf16 = [r for r in lins if r["config"].get("param_dtype")]
+    bf16 = [r for r in lins if r["config"].param_dtype]
     assert len(bf16) == len(BF16_CONFIGS)
     for r in bf16:
-        what = f"{r['config']['plan']} bf16 init={r['config'].get('init')}"
+        what = f"{r['config'].plan} bf16 init={r['config'].init}"
         assert r["param_dtypes"] == {"torch.bfloat16"}, what
         err = worst_rel_err(r["masters"], refs[1])
         assert err <= 1.5 * fsdp_err + 1e-3 and err < 0.05, f"{what}: {err:.2e} vs FSDP2 + TP {fsdp_err:.2e}"
