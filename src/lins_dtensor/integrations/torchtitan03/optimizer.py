@@ -6,7 +6,10 @@ the config holding regex param groups, each with an optimizer name and its kwarg
 :func:`lins_config`) and builds, per model part, one
 :func:`lins_dtensor.lins_optimizer` over the masters with those param groups;
 clipping and the FQN-keyed state dict are
-:class:`~lins_dtensor.integrations.titan_common.optimizer.LinsOptimizers`'.
+:class:`~lins_dtensor.integrations.titan_common.optimizer.LinsOptimizers`'. The groups
+come from the container's own helpers (``_build_impl_kwargs``,
+``_build_param_groups``, ``_validate_params``, ``_post_init``: underscore methods, but
+0.3's one definition of the regex grouping). Waits for: a public per-group builder.
 """
 
 from __future__ import annotations
