@@ -2,16 +2,20 @@
 
 Every torchtitan release so far copies ``device_module`` (``torch.cuda`` when no
 accelerator is found) into several of its modules at import and calls these few
-functions on it; each integration's ``cpu`` module puts :class:`CpuDevice` there.
+functions on it; each integration's ``cpu`` module puts :class:`CpuDevice` there
+(:func:`use_cpu_device`) and makes FSDP sum without PREMUL_SUM (:func:`force_sum_fsdp`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import resource
 import types
+from collections.abc import Iterable
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 
 class CpuDevice(types.SimpleNamespace):
@@ -65,3 +69,31 @@ class CpuDevice(types.SimpleNamespace):
 
     def __getattr__(self, name):  # anything else falls through to torch.cpu
         return getattr(torch.cpu, name)
+
+
+def use_cpu_device(module_names: Iterable[str]) -> None:
+    """Point the ``device_type`` / ``device_module`` that these torchtitan modules copied
+    at import to the host."""
+    device = CpuDevice()
+    for name in module_names:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = device
+
+
+def force_sum_fsdp(module_name: str) -> None:
+    """torchtitan sets FSDP's gradient divide factor to 1.0 (its
+    ``disable_fsdp_gradient_division``, in ``module_name``), which FSDP2 implements with
+    PREMUL_SUM; gloo lacks it. A plain SUM gives the same result (factor 1)."""
+    module = importlib.import_module(module_name)
+    original = module.disable_fsdp_gradient_division
+
+    def disable_division_with_sum(model: torch.nn.Module) -> None:
+        original(model)
+        for submodule in model.modules():
+            if isinstance(submodule, FSDPModule):
+                submodule.set_force_sum_reduction_for_comms(True)
+
+    module.disable_fsdp_gradient_division = disable_division_with_sum

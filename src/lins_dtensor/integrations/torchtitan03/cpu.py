@@ -13,12 +13,9 @@ mesh (``partial_dtensor``).
 
 from __future__ import annotations
 
-import importlib
-
 import torch
-from torch.distributed.fsdp import FSDPModule
 
-from lins_dtensor.integrations.titan_common.cpu_device import CpuDevice
+from lins_dtensor.integrations.titan_common.cpu_device import force_sum_fsdp, use_cpu_device
 
 _INSTALLED = False
 
@@ -33,21 +30,6 @@ _DEVICE_MODULES = (
 )
 
 
-def _force_sum_fsdp() -> None:
-    """torchtitan sets FSDP's gradient divide factor to 1.0, which FSDP2 implements with
-    PREMUL_SUM; gloo lacks it. A plain SUM gives the same result (factor 1)."""
-    fsdp = importlib.import_module("torchtitan.distributed.fsdp")
-    original = fsdp.disable_fsdp_gradient_division
-
-    def disable_division_with_sum(model: torch.nn.Module) -> None:
-        original(model)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-
-    fsdp.disable_fsdp_gradient_division = disable_division_with_sum
-
-
 def needed() -> bool:
     return not torch.cuda.is_available()
 
@@ -57,13 +39,7 @@ def install() -> bool:
     global _INSTALLED
     if _INSTALLED or not needed():
         return _INSTALLED
-    device = CpuDevice()
-    for name in _DEVICE_MODULES:
-        module = importlib.import_module(name)
-        if hasattr(module, "device_type"):
-            module.device_type = "cpu"
-        if hasattr(module, "device_module"):
-            module.device_module = device
-    _force_sum_fsdp()
+    use_cpu_device(_DEVICE_MODULES)
+    force_sum_fsdp("torchtitan.distributed.fsdp")
     _INSTALLED = True
     return True
