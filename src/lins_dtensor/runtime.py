@@ -639,7 +639,7 @@ def apply_lins(
             always the root unit, holding the parameters no unit does (tied weights
             among them).
         max_inflight_bytes (int | None): bound on the transient buffers of Lins'
-            collectives in flight; ``None``: twice the largest unit's.
+            collectives in flight; ``None``: twice the largest chain's (``schedule.default_max_inflight_bytes``).
         master_dtype (torch.dtype | None): the dtype of the masters the optimizer steps;
             ``None``: the model's dtype, or fp32 for a model built in bf16 / fp16 (an
             optimizer in half precision loses updates smaller than its rounding).
