@@ -45,6 +45,34 @@ class TitanJob:
     refusals: tuple[str, ...] = field(default=())
     """Release-specific settings Lins cannot run with, each as its one-line message."""
 
+    @classmethod
+    def from_sections(cls, config, lins: Lins, key_style: Literal["toml", "cli"], activation_checkpoint: str,
+                      refusals: tuple[str, ...]) -> "TitanJob":
+        """Read the sections both releases keep under the same names (``parallelism``,
+        ``training``, ``checkpoint``, ``comm``) from ``config``; the adapter gives what
+        differs."""
+        par, training = config.parallelism, config.training
+        return cls(
+            lins=lins,
+            key_style=key_style,
+            tp=par.tensor_parallel_degree,
+            pp=par.pipeline_parallel_degree,
+            cp=par.context_parallel_degree,
+            ep=par.expert_parallel_degree,
+            seq_len=training.seq_len,
+            local_batch_size=training.local_batch_size,
+            global_batch_size=training.global_batch_size,
+            activation_checkpoint=activation_checkpoint,
+            param_dtype=training.mixed_precision_param,
+            reduce_dtype=training.mixed_precision_reduce,
+            max_norm=float(training.max_norm),
+            cpu_offload=training.enable_cpu_offload,
+            seed_checkpoint=config.checkpoint.create_seed_checkpoint,
+            init_timeout_s=config.comm.init_timeout_seconds,
+            train_timeout_s=config.comm.train_timeout_seconds,
+            refusals=refusals,
+        )
+
     def key(self, section: str, name: str) -> str:
         return f"[{section}] {name}" if self.key_style == "toml" else f"{section}.{name}"
 

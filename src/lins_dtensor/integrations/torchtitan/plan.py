@@ -20,24 +20,5 @@ def _refusals(job_config) -> tuple[str, ...]:
 
 
 def titan_job(job_config) -> TitanJob:
-    par, training = job_config.parallelism, job_config.training
-    return TitanJob(
-        lins=job_config.lins,
-        key_style="toml",
-        tp=par.tensor_parallel_degree,
-        pp=par.pipeline_parallel_degree,
-        cp=par.context_parallel_degree,
-        ep=par.expert_parallel_degree,
-        seq_len=training.seq_len,
-        local_batch_size=training.local_batch_size,
-        global_batch_size=training.global_batch_size,
-        activation_checkpoint=job_config.activation_checkpoint.mode,
-        param_dtype=training.mixed_precision_param,
-        reduce_dtype=training.mixed_precision_reduce,
-        max_norm=float(training.max_norm),
-        cpu_offload=training.enable_cpu_offload,
-        seed_checkpoint=job_config.checkpoint.create_seed_checkpoint,
-        init_timeout_s=job_config.comm.init_timeout_seconds,
-        train_timeout_s=job_config.comm.train_timeout_seconds,
-        refusals=_refusals(job_config),
-    )
+    return TitanJob.from_sections(job_config, job_config.lins, "toml", job_config.activation_checkpoint.mode,
+                                  _refusals(job_config))

@@ -40,24 +40,5 @@ def _refusals(config) -> tuple[str, ...]:
 
 
 def titan_job(config, lins: Lins) -> TitanJob:
-    par, training = config.parallelism, config.training
-    return TitanJob(
-        lins=lins,
-        key_style="cli",
-        tp=par.tensor_parallel_degree,
-        pp=par.pipeline_parallel_degree,
-        cp=par.context_parallel_degree,
-        ep=par.expert_parallel_degree,
-        seq_len=training.seq_len,
-        local_batch_size=training.local_batch_size,
-        global_batch_size=training.global_batch_size,
-        activation_checkpoint=activation_checkpoint_mode(config.activation_checkpoint),
-        param_dtype=training.mixed_precision_param,
-        reduce_dtype=training.mixed_precision_reduce,
-        max_norm=float(training.max_norm),
-        cpu_offload=training.enable_cpu_offload,
-        seed_checkpoint=config.checkpoint.create_seed_checkpoint,
-        init_timeout_s=config.comm.init_timeout_seconds,
-        train_timeout_s=config.comm.train_timeout_seconds,
-        refusals=_refusals(config),
-    )
+    return TitanJob.from_sections(config, lins, "cli", activation_checkpoint_mode(config.activation_checkpoint),
+                                  _refusals(config))
