@@ -67,7 +67,7 @@ class LinsMesh:
     plan: LinsPlan
     ranks_per_node: int
     # Every rank of the job, on gloo: what the hosts agree on without a device round
-    # trip (which parameters took part in a step).
+    # trip (which parameters took part in a step); one per job (_host_group).
     host_group: dist.ProcessGroup
 
     @property
@@ -154,6 +154,24 @@ def mesh_layout(plan: LinsPlan, dp_world_size: int, tp: int) -> tuple[tuple[str,
     return (TENSOR_PARALLEL, *MESH_DIMS), (tp, *mesh_shape(plan, dp_world_size))
 
 
+# The job's default group and the host group made for it (_host_group).
+_HOST_GROUP: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+
+
+def _host_group() -> dist.ProcessGroup:
+    """Every rank of the job on gloo, for what the hosts agree on: Lins' own for the
+    reason given in :func:`build_lins_mesh` (gloo, so that no device is waited for; NCCL
+    takes device tensors only). One per job, shared by the meshes built in it: the hosts
+    issue their agreements in program order, the same on every rank, so models can
+    share it, and each new gloo group would open connections between all ranks. Made
+    by the first mesh, which every rank builds (a collective)."""
+    global _HOST_GROUP
+    world = dist.group.WORLD
+    if _HOST_GROUP is None or _HOST_GROUP[0] is not world:
+        _HOST_GROUP = (world, dist.new_group(backend="gloo"))
+    return _HOST_GROUP[1]
+
+
 def build_lins_mesh(
     plan: LinsPlan,
     world_size: int | None = None,
@@ -219,9 +237,7 @@ def build_lins_mesh(
     # ranks issue them in different orders and hang. Naming the backend opts out.
     backend = dist.get_backend()
     device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=((backend, None),) * len(names))
-    # The host group is Lins' own for the reason above; gloo, so that the hosts agree
-    # without waiting for a device (NCCL takes device tensors only).
-    mesh = LinsMesh(device_mesh, plan, ranks_per_node, dist.new_group(backend="gloo"))
+    mesh = LinsMesh(device_mesh, plan, ranks_per_node, _host_group())
     if timeout is not None:
         mesh.set_timeout(timeout)
     return mesh
