@@ -214,3 +214,50 @@ def recovery(configs: list[dict]) -> list[dict]:
         results.append({"config": cfg, "masters": masters, "caught": caught,
                          "bytes_match": _bytes_match(model, plan, RECOVERY_MICROBATCHES, clip=True)})
     return results
+
+
+# ----- a unit whose forward runs twice ------------------------------------------------------------
+class _TwiceFirstBlock(torch.nn.Module):
+    """The tiny model with its first block run twice in a row (a shared block): its
+    unit's gradient can reach Lins twice in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = build_model()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        model = self.inner
+        x = model.tok_embeddings(tokens) + model.pos[: tokens.shape[1]]
+        x = model.layers[0](model.layers[0](x))
+        for block in list(model.layers)[1:]:
+            x = block(x)
+        return model.output(model.norm(x))
+
+
+def twice_reference(world: int, steps: int) -> dict[str, torch.Tensor]:
+    model = _TwiceFirstBlock()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    for step in range(steps):
+        for rank in range(world):
+            (loss_fn(model, batch(step, rank, 0)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def block_run_twice(configs: list[dict]) -> list[dict]:
+    """Each config: plan. Two steps of one micro-batch of :class:`_TwiceFirstBlock`; the full masters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cfg in configs:
+        model = _TwiceFirstBlock()
+        apply_lins(model, build_lins_mesh(LinsPlan.parse(cfg["plan"], world), ranks_per_node=2, device_type="cpu"),
+                   units=list(model.inner.layers))
+        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+        for step in range(cfg["steps"]):
+            loss_fn(model, batch(step, rank, 0)).backward()
+            opt.step()
+            opt.zero_grad()
+        masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+        results.append({"config": cfg, "masters": masters})
+    return results

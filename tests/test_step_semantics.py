@@ -8,7 +8,7 @@ import torch
 
 from distributed import run
 from lins_dtensor import valid_plans
-from step_scenarios import recovery, torch_clip_on_lins_model, unused_parameters, unused_reference
+from step_scenarios import block_run_twice, recovery, torch_clip_on_lins_model, twice_reference, unused_parameters, unused_reference
 
 
 def test_torchs_clip_grad_norm_on_the_model_fails_loudly_instead_of_clipping_nothing():
@@ -71,3 +71,13 @@ def test_a_step_that_raised_leaves_no_trace_after_zero_grad():
         reference = clean[cfg["plan"]]["masters"]
         differ = [k for k in reference if not torch.equal(result["masters"][k], reference[k])]
         assert not differ, (cfg, differ)
+
+
+def test_a_unit_whose_forward_runs_twice_trains_like_one_process():
+    """A block run twice in one forward (a shared block), P replicated with G sharded and
+    P sharded by FSDP2: its gradient may reach Lins twice in one backward, after its turn
+    in the backward order; each must be added, as in one process."""
+    configs = [dict(plan=p, steps=2) for p in ("p=1,g=2,os=4", "p=2,g=4,os=4", "fsdp")]
+    reference = twice_reference(4, 2)
+    for result in run(block_run_twice, 4, configs):
+        assert _worst_rel_err(result["masters"], reference) < 1e-5, result["config"]

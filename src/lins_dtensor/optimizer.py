@@ -86,6 +86,15 @@ class _StepHooks:
     def _torch_creates_states(self, masters: list[nn.Parameter]) -> bool:
         return all(m.grad is None for m in masters) and any(p.grad is not None for group in self.params for p in group)
 
+    def discard(self) -> None:
+        """After a step that raised inside ``optimizer.step()`` (the masters in the param
+        groups, perhaps with zero gradients of the state-creating step): the parameters
+        go back (:meth:`LinsState.discard_step`)."""
+        for master in self.zero_grads:
+            master.grad = None
+        self.zero_grads = []
+        self.hold(masters=False)
+
     def after(self, optimizer, args, kwargs) -> None:
         self.hold(masters=False)
         for master in self.zero_grads:
@@ -135,7 +144,8 @@ def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
     hooks.hold(masters=False)
     optimizer.register_step_pre_hook(hooks.before)
     optimizer.register_step_post_hook(hooks.after)
-    _discard_failed_step_on_zero_grad(optimizer, state, hooks)
+    state.discard_optimizer_step = hooks.discard
+    _discard_failed_step_on_zero_grad(optimizer, state)
     fqns = [fqn for _, group_fqns in groups for fqn in group_fqns]
     optimizer._lins_hooks = hooks  # type: ignore[attr-defined]
     optimizer._lins_fqns = fqns  # type: ignore[attr-defined]
@@ -151,20 +161,15 @@ def lins_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
     return optimizer
 
 
-def _discard_failed_step_on_zero_grad(optimizer: torch.optim.Optimizer, state: LinsState, hooks: _StepHooks) -> None:
+def _discard_failed_step_on_zero_grad(optimizer: torch.optim.Optimizer, state: LinsState) -> None:
     """``zero_grad()`` discards the gradients of micro-batches whose step failed, in
     PyTorch; Lins' are in its G buffers and chains, which :meth:`LinsState.discard_step`
-    forgets (a no-op between steps). A step that raised inside ``optimizer.step()`` left
-    the masters in the param groups: the parameters go back. torch.optim has step hooks
-    but none for ``zero_grad``: the instance's method is wrapped."""
+    forgets (a no-op between steps). torch.optim has step hooks but none for
+    ``zero_grad``: the instance's method is wrapped."""
     zero_grad = optimizer.zero_grad
 
     def zero_grad_and_discard_failed_step(set_to_none: bool = True) -> None:
         state.discard_step()
-        for master in hooks.zero_grads:
-            master.grad = None
-        hooks.zero_grads = []
-        hooks.hold(masters=False)
         zero_grad(set_to_none)
 
     optimizer.zero_grad = zero_grad_and_discard_failed_step

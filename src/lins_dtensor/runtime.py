@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -94,6 +94,7 @@ class StepProgress:
     # The running backward hands the units' gradients on in one order on every rank
     # (LinsState._hand_on): the units in it, the next one's index, and those that arrived early.
     backward_order: list[LinsUnit] = dataclasses.field(default_factory=list)
+    positions: dict[int, int] = dataclasses.field(default_factory=dict)
     handed_on: int = 0
     waiting: dict[int, _Arrival] = dataclasses.field(default_factory=dict)
     # Units whose gradient arrived in the running backward, and the parameters given a
@@ -127,11 +128,14 @@ class LinsState:
     units: list[LinsUnit] = dataclasses.field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None  # set by lins_optimizer
     fsdp_root: nn.Module | None = None  # the model, where P is sharded (FSDP2's root)
+    # What else discard_step undoes: the param groups of the model's Lins optimizer (set by lins_optimizer).
+    discard_optimizer_step: Callable[[], None] | None = None
     # Which backward is the step's last (module docstring).
     requires_gradient_sync: bool | None = None  # set_requires_gradient_sync
     accumulation_steps: int | None = None  # set_gradient_accumulation_steps
     learned_steps: int | None = None  # backward passes in the previous step
     warned_extra_backward: bool = False
+    warned_held_back: bool = False
     progress: StepProgress = dataclasses.field(default_factory=StepProgress)
     # The order units run forward in, for the update gathers (seen on each forward).
     forward_order: list[LinsUnit] = dataclasses.field(default_factory=list)
@@ -178,10 +182,16 @@ class LinsState:
         if not progress.in_backward:
             self._begin_backward()
         progress.with_gradient.setdefault(id(unit), unit)
-        if id(unit) in progress.waiting:  # a second one in this backward (reentrant): the first goes on now
-            unit.accumulate(*progress.waiting.pop(id(unit)))
-        progress.waiting[id(unit)] = _Arrival(rows, progress.sync, inputs, used)
-        self._hand_on()
+        arrival = _Arrival(rows, progress.sync, inputs, used)
+        if progress.positions.get(id(unit), len(progress.backward_order)) < progress.handed_on:
+            # A second gradient in this backward (a unit run twice, a reentrant
+            # backward) after its turn: it goes on at once, as it arrives on every rank.
+            unit.accumulate(*arrival)
+        else:
+            if id(unit) in progress.waiting:  # a second one before its turn: the first goes on now
+                unit.accumulate(*progress.waiting.pop(id(unit)))
+            progress.waiting[id(unit)] = arrival
+            self._hand_on()
         self.executor.pump()
 
     def _hand_on(self, end: bool = False) -> None:
@@ -193,7 +203,9 @@ class LinsState:
 
         The backward order is the last forward's, reversed (units seen in no forward
         last), which is the order gradients arrive in when every parameter takes part, so
-        nothing waits then."""
+        nothing waits then. A replicated unit with a parameter that got no gradient on
+        this rank holds the units after it (their autograd gradients in memory) until the
+        backward's end (:meth:`_warn_if_held_back`)."""
         progress = self.progress
         order = progress.backward_order
         while progress.handed_on < len(order):
@@ -204,6 +216,24 @@ class LinsState:
                 return
             progress.handed_on += 1
 
+    def _warn_if_held_back(self) -> None:
+        """Once: a unit still incomplete at the backward's end (a replicated unit with a
+        parameter that got no gradient on this rank) held the gradients of the units after
+        it in memory, and their reductions back, until now."""
+        progress = self.progress
+        order = progress.backward_order
+        if self.warned_held_back or progress.handed_on >= len(order):
+            return
+        held = sum(id(u) in progress.waiting for u in order[progress.handed_on + 1:])
+        if held:
+            self.warned_held_back = True
+            warnings.warn(
+                f"lins: unit '{order[progress.handed_on].name}' had parameters without a gradient on this rank, so "
+                f"the gradients of the {held} units after it waited for the end of backward (memory, no overlap): "
+                "Lins issues the units' collectives in one order on every rank; keep rarely used parameters in "
+                "units of their own (units=) or make P sharded", stacklevel=2,
+            )
+
     def _begin_backward(self) -> None:
         progress = self.progress
         progress.in_backward = True
@@ -211,6 +241,7 @@ class LinsState:
         progress.sync = self._is_last_backward()
         seen = set(map(id, self.forward_order))
         progress.backward_order = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in seen]
+        progress.positions = {id(u): i for i, u in enumerate(progress.backward_order)}
         progress.handed_on, progress.waiting = 0, {}
         queue_backward_callback(self._end_backward)
 
@@ -232,8 +263,9 @@ class LinsState:
 
     def _end_backward(self) -> None:
         progress = self.progress
+        self._warn_if_held_back()
         for unit in self.units:
-            unit.backend.end_backward()
+            unit.backend.end_backward(forward_ran=id(unit) in self._seen)
         self._hand_on(end=True)
         progress.in_backward = False
         progress.backward_index += 1
@@ -319,12 +351,12 @@ class LinsState:
     @torch.no_grad()
     def discard_step(self) -> None:
         """Forget a step that raised between its first forward and the end of
-        ``optimizer.step()`` (:func:`reset_step`): as if it never began. Its chains in
-        flight are waited for (every rank that reached them issued them; where ranks
-        disagree, the mesh's timeout ends the job naming the collective), FSDP2 is reset,
-        the G buffers count as empty, the backward count starts again, and the step's
-        records are dropped. The last step's update gathers are kept. Nothing happens
-        when no step is under way."""
+        ``optimizer.step()`` (:func:`reset_step`). Its chains in flight are waited for
+        (every rank that reached them issued them; where ranks disagree, the mesh's
+        timeout ends the job naming the collective), FSDP2 is reset, the G buffers count
+        as empty, the backward count starts again, the step's records are dropped, and
+        the optimizer's param groups hold the parameters again. The last step's update
+        gathers are kept. Nothing happens when no step is under way."""
         if not self.progress.started:
             return
         self.executor.wait_all()
@@ -334,6 +366,8 @@ class LinsState:
             unit.end_step()
         self.progress.reset()
         self.recorder.discard_running_step()
+        if self.discard_optimizer_step is not None:
+            self.discard_optimizer_step()
 
     def _update_order(self) -> list[LinsUnit]:
         seen = set(map(id, self.forward_order))
@@ -460,10 +494,12 @@ def set_reduce_in_backward(model: nn.Module, enabled: bool) -> None:
 def reset_step(model: nn.Module) -> None:
     """Forget a step that raised anywhere between its first forward and the end of
     ``optimizer.step()`` (an out-of-memory error caught to retry with a smaller batch, a
-    non-finite loss, an interrupt), on every rank that raised: the next step runs as if
-    the failed one never began. ``optimizer.zero_grad()`` of a Lins optimizer calls it
-    (in PyTorch it discards the failed micro-batches' gradients); it does nothing while
-    no step is under way. FSDP2's counterpart is ``FSDPModule.reset_iter_state``."""
+    non-finite loss, an interrupt), where every rank raised at the same point: the next
+    step runs as if the failed one never began, unless the optimizer itself had begun
+    to update (what it updated stays, as in PyTorch). ``optimizer.zero_grad()`` of a
+    Lins optimizer calls it (in PyTorch it discards the failed micro-batches'
+    gradients); it does nothing while no step is under way. FSDP2's counterpart is
+    ``FSDPModule.reset_iter_state``."""
     lins_state(model).discard_step()
 
 

@@ -177,8 +177,9 @@ class ParamBackend(Protocol):
     def before_forward(self, updated: object) -> None:
         """Make the streams that read P wait for the update event ``updated``."""
 
-    def end_backward(self) -> None:
-        """At the end of a backward: hand over what the backward left unsent (unused parameters)."""
+    def end_backward(self, forward_ran: bool = False) -> None:
+        """At the end of a backward: hand over what it left unsent (parameters without a
+        gradient), for a unit whose forward ran in it (``forward_ran``) even if none has one."""
 
     def reset(self) -> None:
         """Drop what a backward that did not finish (it raised) left half-collected."""
@@ -251,8 +252,9 @@ class ShardedParams:
         asynchronous unshard) rather than on its own streams."""
         return fsdp_unshard_async_op(self.module)
 
-    def end_backward(self) -> None:
-        """FSDP2 reduces every unit whose forward ran; nothing is left over."""
+    def end_backward(self, forward_ran: bool = False) -> None:
+        """FSDP2 reduces every unit whose forward ran (zeros for parameters without a
+        gradient); nothing is left over."""
 
     def reset(self) -> None:
         """FSDP2 recovers from a step that raised as a whole, at its root (LinsState)."""
@@ -345,10 +347,12 @@ class ReplicatedParams:
         if self._arrived == len(self.params):
             self._release()
 
-    def end_backward(self) -> None:
+    def end_backward(self, forward_ran: bool = False) -> None:
         """Send a bucket that some parameters never reached in this backward (unused
-        parameters): their gradient is zero."""
-        if self._arrived:
+        parameters): their gradient is zero. Also when none did but the unit's forward
+        ran: the other ranks, whose parameters may have a gradient, reduce the bucket
+        (as FSDP2 reduces every unit whose forward ran)."""
+        if self._arrived or forward_ran:
             used = [g is not None for g in self._pending]
             for index, param in enumerate(self.params):
                 if self._pending[index] is None:
