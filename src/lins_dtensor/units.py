@@ -273,9 +273,11 @@ class ReplicatedParams:
         # model swaps in a new Parameter (to_empty after meta-device init does).
         where = {id(p): (m, name) for m in reversed(list(module.modules())) for name, p in m._parameters.items() if p is not None}
         self._slots = [where[id(p)] for p in params]
-        # This backward's gradients so far (autograd's), and how many have arrived.
+        # This backward's gradients so far (autograd's), how many have arrived, and
+        # whether a bucket went on in this backward.
         self._pending: list[torch.Tensor | None] = [None] * len(params)
         self._arrived = 0
+        self._sent = False
         self._sink: GradientSink | None = None
         self._rows: list[tuple[int, int]] = []
         self._install_casts(module, mp_policy)
@@ -352,23 +354,26 @@ class ReplicatedParams:
         parameters): their gradient is zero. Also when none did but the unit's forward
         ran: the other ranks, whose parameters may have a gradient, reduce the bucket
         (as FSDP2 reduces every unit whose forward ran)."""
-        if self._arrived or forward_ran:
+        if self._arrived or (forward_ran and not self._sent):
             used = [g is not None for g in self._pending]
             for index, param in enumerate(self.params):
                 if self._pending[index] is None:
                     self._pending[index] = torch.zeros_like(local_values(param.detach()))
             self._release(used)
+        self._sent = False
 
     def _release(self, used: Sequence[bool] | None = None) -> None:
         rows = [g.reshape(r, n) for g, (r, n) in zip(self._pending, self._rows)]
         inputs = tuple(self._pending)  # autograd's gradients, made on the current stream
         self.reset()
+        self._sent = True
         self._sink(rows, inputs, [True] * len(self.params) if used is None else used)
 
     def reset(self) -> None:
         """Drop the gradients of a backward that did not finish (it raised)."""
         self._pending = [None] * len(self.params)
         self._arrived = 0
+        self._sent = False
 
     def before_forward(self, updated: object) -> None:
         """Parameters are read on the current stream, which the executor made wait."""
