@@ -261,3 +261,59 @@ def block_run_twice(configs: list[dict]) -> list[dict]:
         masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
         results.append({"config": cfg, "masters": masters})
     return results
+
+
+# ----- a unit whose forward runs but whose output some ranks do not use -----------------------------
+class _AuxiliaryHead(torch.nn.Module):
+    """The tiny model plus an auxiliary head, a unit of its own, that every rank runs in
+    forward but only ranks that ``use_aux`` put in the loss: elsewhere none of its
+    parameters gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = build_model()
+        self.aux = torch.nn.Linear(self.inner.output.in_features, self.inner.output.out_features)
+        self.use_aux = True
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        model = self.inner
+        x = model.tok_embeddings(tokens) + model.pos[: tokens.shape[1]]
+        for block in model.layers:
+            x = block(x)
+        aux = self.aux(x)
+        logits = model.output(model.norm(x))
+        return logits + aux if self.use_aux else logits
+
+
+def aux_reference(world: int, steps: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _AuxiliaryHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    for step in range(steps):
+        for rank in range(world):
+            model.use_aux = rank == 0
+            (loss_fn(model, batch(step, rank, 0)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def auxiliary_head_on_one_rank(configs: list[dict]) -> list[dict]:
+    """Each config: plan. Two steps, the auxiliary head in the loss on rank 0 only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cfg in configs:
+        torch.manual_seed(0)
+        model = _AuxiliaryHead()
+        model.use_aux = rank == 0
+        plan = LinsPlan.parse(cfg["plan"], world)
+        apply_lins(model, build_lins_mesh(plan, ranks_per_node=2, device_type="cpu"), units=[*model.inner.layers, model.aux])
+        set_gradient_accumulation_steps(model, 1)
+        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+        for step in range(cfg["steps"]):
+            loss_fn(model, batch(step, rank, 0)).backward()
+            opt.step()
+            opt.zero_grad()
+        masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+        results.append({"config": cfg, "masters": masters, "bytes_match": _bytes_match(model, plan, 1)})
+    return results

@@ -8,7 +8,7 @@ import torch
 
 from distributed import run
 from lins_dtensor import valid_plans
-from step_scenarios import block_run_twice, recovery, torch_clip_on_lins_model, twice_reference, unused_parameters, unused_reference
+from step_scenarios import auxiliary_head_on_one_rank, aux_reference, block_run_twice, recovery, torch_clip_on_lins_model, twice_reference, unused_parameters, unused_reference
 
 
 def test_torchs_clip_grad_norm_on_the_model_fails_loudly_instead_of_clipping_nothing():
@@ -81,3 +81,19 @@ def test_a_unit_whose_forward_runs_twice_trains_like_one_process():
     reference = twice_reference(4, 2)
     for result in run(block_run_twice, 4, configs):
         assert _worst_rel_err(result["masters"], reference) < 1e-5, result["config"]
+
+
+def test_a_unit_without_gradient_on_some_ranks_adds_zeros_there():
+    """An auxiliary head, a unit of its own, run in every rank's forward but in the loss
+    on rank 0 only: elsewhere none of its parameters gets a gradient, and the unit still
+    takes part in its collectives with zeros (as FSDP2 reduces every unit whose forward
+    ran), so the ranks issue the same collectives and the head trains like one process.
+    P replicated (DDP, G sharded in and across nodes); where P is sharded FSDP2 reduces
+    such a unit out of order, as stock FSDP2 does (docs/semantics.md). On 3bf57a5: gloo
+    abort (collective mismatch)."""
+    configs = [dict(plan=p, steps=2) for p in ("ddp", "p=1,g=2,os=4", "p=1,g=4,os=4")]
+    reference = aux_reference(4, 2)
+    for result in run(auxiliary_head_on_one_rank, 4, configs):
+        assert _worst_rel_err(result["masters"], reference, "aux") < 1e-5, result["config"]
+        assert _worst_rel_err(result["masters"], reference) < 1e-5, result["config"]
+        assert result["bytes_match"], result["config"]
