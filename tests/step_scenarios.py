@@ -234,32 +234,47 @@ class _TwiceFirstBlock(torch.nn.Module):
         return model.output(model.norm(x))
 
 
-def twice_reference(world: int, steps: int) -> dict[str, torch.Tensor]:
-    model = _TwiceFirstBlock()
+def _one_process(model: torch.nn.Module, world: int, steps: int, as_rank=lambda model, rank: None) -> dict[str, torch.Tensor]:
+    """torch.optim.AdamW in one process on every rank's one micro-batch per step
+    (``as_rank`` sets the model up as that rank has it); the final state dict."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
     for step in range(steps):
         for rank in range(world):
+            as_rank(model, rank)
             (loss_fn(model, batch(step, rank, 0)) / world).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _lins_steps(model: torch.nn.Module, plan: LinsPlan, steps: int, units: list[torch.nn.Module], told: bool) -> None:
+    """``steps`` AdamW steps of one micro-batch each under Lins (``told``: Lins knows M=1)."""
+    rank = dist.get_rank()
+    apply_lins(model, build_lins_mesh(plan, ranks_per_node=2, device_type="cpu"), units=units)
+    if told:
+        set_gradient_accumulation_steps(model, 1)
+    opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    for step in range(steps):
+        loss_fn(model, batch(step, rank, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_masters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+
+
+def twice_reference(world: int, steps: int) -> dict[str, torch.Tensor]:
+    return _one_process(_TwiceFirstBlock(), world, steps)
+
+
 def block_run_twice(configs: list[dict]) -> list[dict]:
     """Each config: plan. Two steps of one micro-batch of :class:`_TwiceFirstBlock`; the full masters."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
         model = _TwiceFirstBlock()
-        apply_lins(model, build_lins_mesh(LinsPlan.parse(cfg["plan"], world), ranks_per_node=2, device_type="cpu"),
-                   units=list(model.inner.layers))
-        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-        for step in range(cfg["steps"]):
-            loss_fn(model, batch(step, rank, 0)).backward()
-            opt.step()
-            opt.zero_grad()
-        masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
-        results.append({"config": cfg, "masters": masters})
+        _lins_steps(model, LinsPlan.parse(cfg["plan"], dist.get_world_size()), cfg["steps"], list(model.inner.layers), told=False)
+        results.append({"config": cfg, "masters": _full_masters(model)})
     return results
 
 
@@ -287,33 +302,17 @@ class _AuxiliaryHead(torch.nn.Module):
 
 def aux_reference(world: int, steps: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = _AuxiliaryHead()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-    for step in range(steps):
-        for rank in range(world):
-            model.use_aux = rank == 0
-            (loss_fn(model, batch(step, rank, 0)) / world).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _one_process(_AuxiliaryHead(), world, steps, lambda model, rank: setattr(model, "use_aux", rank == 0))
 
 
 def auxiliary_head_on_one_rank(configs: list[dict]) -> list[dict]:
     """Each config: plan. Two steps, the auxiliary head in the loss on rank 0 only."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs:
         torch.manual_seed(0)
         model = _AuxiliaryHead()
-        model.use_aux = rank == 0
-        plan = LinsPlan.parse(cfg["plan"], world)
-        apply_lins(model, build_lins_mesh(plan, ranks_per_node=2, device_type="cpu"), units=[*model.inner.layers, model.aux])
-        set_gradient_accumulation_steps(model, 1)
-        opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-        for step in range(cfg["steps"]):
-            loss_fn(model, batch(step, rank, 0)).backward()
-            opt.step()
-            opt.zero_grad()
-        masters = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
-        results.append({"config": cfg, "masters": masters, "bytes_match": _bytes_match(model, plan, 1)})
+        model.use_aux = dist.get_rank() == 0
+        plan = LinsPlan.parse(cfg["plan"], dist.get_world_size())
+        _lins_steps(model, plan, cfg["steps"], [*model.inner.layers, model.aux], told=True)
+        results.append({"config": cfg, "masters": _full_masters(model), "bytes_match": _bytes_match(model, plan, 1)})
     return results

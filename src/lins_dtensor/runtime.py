@@ -110,11 +110,17 @@ class StepProgress:
     def started(self) -> bool:
         return self.forward_running or self.in_backward or self.backward_index > 0
 
+    def clear_marks(self) -> None:
+        """The parameters' gradients that refuse to be read go (autograd must not
+        accumulate into them, and the step consumed what they stood for)."""
+        for param in self.marked:
+            param.grad = None
+        self.marked = []
+
     def reset(self) -> None:
         if self.used is not None:
             self.used.result()  # every rank started it: finish it everywhere
-        for param in self.marked:
-            param.grad = None
+        self.clear_marks()
         fresh = StepProgress()
         for field in dataclasses.fields(self):
             setattr(self, field.name, getattr(fresh, field.name))
@@ -287,11 +293,6 @@ class LinsState:
                     progress.marked.append(param)
         progress.with_gradient = {}
 
-    def _clear_gradient_marks(self) -> None:
-        for param in self.progress.marked:
-            param.grad = None
-        self.progress.marked = []
-
     # ----- which parameters took part --------------------------------------------------------------
     def _start_used_agreement(self) -> None:
         """Start the ranks' agreement on which parameters got a gradient in this step
@@ -379,7 +380,7 @@ class LinsState:
     def before_root_forward(self) -> None:
         self._seen = {}
         self.progress.forward_running = True
-        self._clear_gradient_marks()  # autograd must not accumulate into them
+        self.progress.clear_marks()  # autograd must not accumulate into them
         self.materialize()
         # A unit whose forward did not run last time (its parameters are read by other
         # modules) is waited for here, before anything can read it.
