@@ -65,8 +65,8 @@ def test_parse_log_reads_losses_and_step_times_through_colour_codes():
     assert times[0] is None and times[1] == pytest.approx(1.288)
 
 
-def _run(name, formats, seed, losses):
-    return {"name": name, "seed": seed, "plan": "p=1,g=2,os=4", "formats": formats, "config": "c.toml",
+def _run(name, formats, seed, losses, plan="p=1,g=2,os=4"):
+    return {"name": name, "seed": seed, "plan": plan, "formats": formats, "config": "c.toml",
             "steps": len(losses), "losses": losses, "step_times_s": [None] + [1.0] * (len(losses) - 1),
             "wall_s": 10.0, "started_utc": "2026-12-02 07:00:00", "commit": "abc1234", "command": "torchrun ..."}
 
@@ -78,10 +78,13 @@ def test_analyse_and_report_on_synthetic_runs(tmp_path):
     inside = [x - 0.015625 for x in base]
     outside = [x + (0.5 if i >= 30 else 0.0) for i, x in enumerate(base)]
     runs = [_run(f"fp32-seed{s}", "exact", s, c) for s, c in enumerate(seeds)]
-    runs += [_run("grads-bf16", "grads=bf16", 0, inside), _run("grads-int8", "grads=int8", 0, outside)]
+    runs += [_run("grads-bf16", "grads=bf16", 0, inside), _run("grads-int8", "grads=int8", 0, outside),
+             _run("ddp-fp32-seed0", "exact", 0, seeds[0], plan="ddp")]
     a = analyse(runs)
     rows = {r.name: r for r in a["rows"]}
-    assert [r.formats for r in a["rows"]][:3] == ["exact"] * 3
+    # The band: the plan with the most exact seeds; an exact run of another plan is compared with it.
+    assert [r.name for r in a["rows"] if r.in_band] == ["fp32-seed0", "fp32-seed1", "fp32-seed2"]
+    assert not rows["ddp-fp32-seed0"].in_band and rows["ddp-fp32-seed0"].smooth_gap == 0.0
     assert rows["grads-bf16"].smooth_gap == 0.0 and rows["grads-bf16"].raw_gap == 0.0
     # Raw: 0.5 above the base from step 31 on, 0.4375 above the band. Smoothed over 10
     # steps: only at step 40 are the last 10 losses all 0.5 higher, again 0.4375 above.
@@ -97,5 +100,11 @@ def test_analyse_and_report_on_synthetic_runs(tmp_path):
     doc = tmp_path / "convergence.md"
     report(results, doc)
     text = doc.read_text()
-    assert "| `grads=bf16` | 0 |" in text and "| yes |" in text and "| **no** |" in text
+    assert "| grads-bf16 | `p=1,g=2,os=4` | `grads=bf16` | 0 |" in text and "| ddp-fp32-seed0 | `ddp` | `exact` |" in text
+    assert "| yes |" in text and "| **no** |" in text
     assert (tmp_path / "convergence.png").stat().st_size > 0
+
+
+def test_the_band_needs_two_seeds_of_one_plan():
+    with pytest.raises(ValueError, match="at least 2 exact seeds"):
+        analyse([_run("fp32-seed0", "exact", 0, [3.0, 2.0]), _run("grads-int8", "grads=int8", 0, [3.0, 2.0])])

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -185,8 +186,10 @@ class Row:
     """One run's line in the report."""
 
     name: str
+    plan: str
     formats: str
     seed: int
+    in_band: bool
     final: float
     final_mean: float
     raw_gap: float
@@ -204,29 +207,39 @@ def _median(xs: list[float]) -> float | None:
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
 
 
-def analyse(runs: list[dict]) -> dict:
-    """Band, tolerance, target and one Row per run (exact runs first), from run dicts
-    of one plan and length; the exact ones (formats "exact") define the band."""
+def band_runs(runs: list[dict]) -> list[dict]:
+    """The exact runs of the plan with the most exact runs: the seeds that make the
+    band. An exact run of another plan (e.g. ddp next to p=1,g=2,os=4) is the same
+    training summed in another order, so it is compared with the band, not part of it."""
     exact = [r for r in runs if r["formats"] == "exact"]
-    if len(exact) < 2:
-        raise ValueError(f"report: {len(exact)} exact run(s); the band needs at least 2 seeds")
-    raw = [r["losses"] for r in exact]
+    ranked = Counter(r["plan"] for r in exact).most_common(2)
+    if not ranked or ranked[0][1] < 2 or (len(ranked) > 1 and ranked[1][1] == ranked[0][1]):
+        raise ValueError(f"report: the band needs at least 2 exact seeds of one plan, most of them (exact runs: "
+                         f"{[(r['name'], r['plan']) for r in exact]})")
+    return [r for r in exact if r["plan"] == ranked[0][0]]
+
+
+def analyse(runs: list[dict]) -> dict:
+    """Band, tolerance, target and one Row per run (the band's seeds first) from run
+    dicts of one length."""
+    seeds = band_runs(runs)
+    raw = [r["losses"] for r in seeds]
     sm = [smooth(c) for c in raw]
     raw_lo, raw_hi = band(raw)
     lo, hi = band(sm)
     target = sum(c[-1] for c in sm) / len(sm)
     rows = []
-    for r in sorted(runs, key=lambda r: (r["formats"] != "exact", r["formats"], r["seed"])):
+    for r in sorted(runs, key=lambda r: (r not in seeds, r["plan"], r["formats"] != "exact", r["formats"], r["seed"])):
         losses = r["losses"]
         s = smooth(losses)
         rg, rs = gap(losses, raw_lo, raw_hi)
         sg, ss = gap(s, lo, hi)
-        rows.append(Row(r["name"], r["formats"], r["seed"], losses[-1], sum(losses[-LAST:]) / LAST, rg, rs, sg, ss,
-                        time_to_loss(s, target), _median([t for t in r["step_times_s"] if t is not None]),
-                        r["wall_s"], r["commit"]))
-    return {"lo": lo, "hi": hi, "raw_lo": raw_lo, "raw_hi": raw_hi, "target": target,
-            "tolerance": leave_one_out_gap(sm), "raw_tolerance": leave_one_out_gap(raw), "rows": rows,
-            "width": _median([b - a for a, b in zip(lo, hi)])}
+        rows.append(Row(r["name"], r["plan"], r["formats"], r["seed"], r in seeds, losses[-1],
+                        sum(losses[-LAST:]) / LAST, rg, rs, sg, ss, time_to_loss(s, target),
+                        _median([t for t in r["step_times_s"] if t is not None]), r["wall_s"], r["commit"]))
+    return {"plan": seeds[0]["plan"], "lo": lo, "hi": hi, "raw_lo": raw_lo, "raw_hi": raw_hi, "target": target,
+            "mean": [sum(xs) / len(xs) for xs in zip(*sm)], "tolerance": leave_one_out_gap(sm),
+            "raw_tolerance": leave_one_out_gap(raw), "rows": rows, "width": _median([b - a for a, b in zip(lo, hi)])}
 
 
 def _fmt(x: float) -> str:
@@ -236,8 +249,8 @@ def _fmt(x: float) -> str:
 def markdown(runs: list[dict], a: dict, plot: str) -> str:
     """docs/convergence.md: setup, rule, the tables and every run's provenance."""
     first = runs[0]
-    exact = [r for r in a["rows"] if r.formats == "exact"]
-    others = [r for r in a["rows"] if r.formats != "exact"]
+    seeds = [r for r in a["rows"] if r.in_band]
+    others = [r for r in a["rows"] if not r.in_band]
     lines = [
         "# Convergence of Lins' wire formats",
         "",
@@ -247,52 +260,54 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
         "## Setup",
         "",
         f"torchtitan 0.2.2, LLaMA-3 debug model, the offline `python_stdlib` corpus, 4 CPU ranks (gloo) as "
-        f"2 emulated nodes x 2 ranks, plan `{first['plan']}`, {first['steps']} steps, config `{first['config']}`: "
+        f"2 emulated nodes x 2 ranks (`ranks_per_node = 2`), {first['steps']} steps, config `{first['config']}`: "
         "AdamW with torchtitan's defaults (lr 8e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1), gradient "
         "clipping at norm 1.0, torchtitan's default schedule (200 warmup steps of 10000, linear decay to 0) "
         "scaled to 300 steps: 6 warmup steps, then linear decay to 0; local batch 2 x 256 tokens per rank, "
         "fp32 parameters and reductions, no activation checkpointing, no checkpoints. The seed "
-        "(`--debug.seed`) sets the initial weights; the batches are the same for every run.",
+        "(`--debug.seed`) sets the initial weights; the batches are the same for every run. "
+        f"Plan `{a['plan']}`: gradients reduced inside each node, then across the nodes to the optimizer's "
+        "4 shards; the updated parameters gathered back across the nodes.",
         "",
         "## Rule",
         "",
-        f"- **Band**: per step, the [min, max] of the {len(exact)} exact (fp32) seeds' losses. The decisive "
-        f"curves are **smoothed** by a trailing mean over {WINDOW} steps (fewer for the first steps); "
-        "the raw per-step band is reported too.",
+        f"- **Band**: per step, the [min, max] of the {len(seeds)} exact (fp32) seeds' losses (plan "
+        f"`{a['plan']}`). The decisive curves are **smoothed** by a trailing mean over {WINDOW} steps (fewer "
+        "for the first steps); the raw per-step band is reported too.",
         "- **Gap**: the largest distance by which a run's curve leaves the band, over all steps (0 inside).",
         f"- **Tolerance**: {_fmt(a['tolerance'])} (smoothed; raw {_fmt(a['raw_tolerance'])}), the largest "
         "gap of one exact seed against the band of the other exact seeds. A band of few seeds is narrow, "
         "and a compressed run started from seed 0 sits next to seed 0, an edge of the band wherever seed 0 is "
-        "the highest or lowest seed: a format is **inside** when its smoothed gap is at most this tolerance, "
+        "the highest or lowest seed: a run is **inside** when its smoothed gap is at most this tolerance, "
         "i.e. it leaves the band by no more than exact training from another seed does. Formats that are "
         "not inside are not offered by the planner.",
         f"- **Final loss**: the last step's loss, and the mean of the last {LAST} steps.",
         f"- **Time to loss**: the first step at which the run's smoothed loss reaches {a['target']:.4f}, the "
         f"exact seeds' mean smoothed loss at step {first['steps']} (multiply by a benchmark's step time for "
-        "seconds). Median band width (smoothed): " + _fmt(a["width"]) + ".",
+        f"seconds). Median width of the smoothed band: {_fmt(a['width'])}.",
         "",
         "## Exact (fp32) seeds",
         "",
         f"| run | seed | final loss | mean last {LAST} | time to loss (step) | median step (s) | wall (s) | commit |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in exact:
+    for r in seeds:
         lines.append(f"| {r.name} | {r.seed} | {r.final:.4f} | {r.final_mean:.4f} | {r.ttl or 'not reached'} | "
                      f"{r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
-    lines += ["", "## Compressed formats", ""]
+    lines += ["", "## Against the band", ""]
     if not others:
-        lines.append("None run yet.")
+        lines.append("No compressed run yet.")
     else:
         lines += [
-            f"| formats | seed | final loss | mean last {LAST} | gap, smoothed (step) | gap, raw (step) | "
-            "time to loss (step) | inside | median step (s) | wall (s) | commit |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"| run | plan | formats | seed | final loss | mean last {LAST} | gap, smoothed (step) | "
+            "gap, raw (step) | time to loss (step) | inside | median step (s) | wall (s) | commit |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in others:
             inside = "yes" if r.smooth_gap <= a["tolerance"] else "**no**"
             lines.append(
-                f"| `{r.formats}` | {r.seed} | {_fmt(r.final)} | {_fmt(r.final_mean)} | {_fmt(r.smooth_gap)} "
-                f"({r.smooth_gap_step or '-'}) | {_fmt(r.raw_gap)} ({r.raw_gap_step or '-'}) | "
+                f"| {r.name} | `{r.plan}` | `{r.formats}` | {r.seed} | {_fmt(r.final)} | {_fmt(r.final_mean)} | "
+                f"{_fmt(r.smooth_gap)} ({r.smooth_gap_step or '-'}) | {_fmt(r.raw_gap)} ({r.raw_gap_step or '-'}) | "
                 f"{r.ttl or 'not reached'} | {inside} | {r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
     lines += ["", f"![loss curves and band]({plot})", "",
               "Top: smoothed losses and the exact seeds' band. Bottom: each run's smoothed loss minus the exact "
@@ -310,22 +325,24 @@ def plot(runs: list[dict], a: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    exact = [smooth(r["losses"]) for r in runs if r["formats"] == "exact"]
-    mean = [sum(xs) / len(xs) for xs in zip(*exact)]
+    mean = a["mean"]
     steps = list(range(1, len(mean) + 1))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=[3, 2])
     top.fill_between(steps, a["lo"], a["hi"], color="0.8", label="exact seeds' band")
     bottom.fill_between(steps, [x - m for x, m in zip(a["lo"], mean)], [x - m for x, m in zip(a["hi"], mean)],
                         color="0.8")
-    for r in runs:
+    in_band = {r.name for r in a["rows"] if r.in_band}
+    for r in sorted(runs, key=lambda r: r["name"] not in in_band):
         s = smooth(r["losses"])
-        is_exact = r["formats"] == "exact"
-        style = {"color": "0.35", "lw": 0.8, "ls": "--"} if is_exact else {"lw": 1.3}
-        label = f"exact, seed {r['seed']}" if is_exact else f"{r['formats']} (seed {r['seed']})"
+        if r["name"] in in_band:
+            style, label = {"color": "0.35", "lw": 0.8, "ls": "--"}, f"exact, seed {r['seed']}"
+        else:
+            plan = "" if r["plan"] == a["plan"] else f"{r['plan']}, "
+            style, label = {"lw": 1.3}, f"{plan}{r['formats']} (seed {r['seed']})"
         top.plot(steps, s, label=label, **style)
         bottom.plot(steps, [x - m for x, m in zip(s, mean)], **style)
     top.set_ylabel(f"loss (trailing mean of {WINDOW})")
-    top.set_title(f"Debug LLaMA, 4 CPU ranks (2 nodes x 2), plan {runs[0]['plan']}")
+    top.set_title(f"Debug LLaMA, 4 CPU ranks (2 nodes x 2), plan {a['plan']}")
     top.legend(fontsize=8)
     bottom.axhline(0, color="k", lw=0.5)
     bottom.set_ylabel("minus exact mean")
@@ -334,22 +351,23 @@ def plot(runs: list[dict], a: dict, path: Path) -> None:
     bottom.set_ylim(-4 * lim, 4 * lim)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "convergence.md") -> None:
-    """Write the table and the plot from every JSON in ``results`` (one plan and length)."""
+    """Write the table and the plot from every JSON in ``results`` (one length and config)."""
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
     if not runs:
         raise SystemExit(f"convergence: no runs in {results}")
-    kinds = {(r["plan"], r["steps"], r["config"]) for r in runs}
+    kinds = {(r["steps"], r["config"]) for r in runs}
     if len(kinds) != 1:
-        raise SystemExit(f"convergence: runs of different plans, lengths or configs {sorted(kinds)}: one band needs one")
+        raise SystemExit(f"convergence: runs of different lengths or configs {sorted(kinds)}: one band needs one")
     a = analyse(runs)
     png = doc.with_suffix(".png")
     plot(runs, a, png)
     doc.write_text(markdown(runs, a, png.name))
     for r in a["rows"]:
-        print(f"{r.name:28s} {r.formats:22s} final {_fmt(r.final)} (last {LAST}: {_fmt(r.final_mean)}) "
+        print(f"{r.name:24s} {r.plan:14s} {r.formats:22s} final {_fmt(r.final)} (last {LAST}: {_fmt(r.final_mean)}) "
               f"gap {_fmt(r.smooth_gap)} raw {_fmt(r.raw_gap)} time-to-loss {r.ttl}")
     print(f"tolerance {_fmt(a['tolerance'])}; wrote {doc} and {png}")
 
