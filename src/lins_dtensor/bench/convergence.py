@@ -147,7 +147,7 @@ def run(name: str, seed: int, extra: list[str], config: str = CONFIG, nproc: int
     log_path = ROOT / "outputs" / "convergence" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    started = datetime.now(timezone.utc)
+    started, commit = datetime.now(timezone.utc), _commit()
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
@@ -168,7 +168,7 @@ def run(name: str, seed: int, extra: list[str], config: str = CONFIG, nproc: int
         "step_times_s": times,
         "wall_s": round(wall, 1),
         "started_utc": started.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": _commit(),
+        "commit": commit,
         "command": " ".join(shlex.quote(c) for c in command),
     }
     out = ROOT / RESULTS / f"{name}.json"
