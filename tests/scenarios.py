@@ -25,6 +25,7 @@ from lins_dtensor import (
     set_gradient_accumulation_steps,
     set_requires_gradient_sync,
 )
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.runtime import lins_state
 from lins_dtensor.schedule import state_memory_bytes, step_collectives
 from lins_dtensor.units import local_values
@@ -70,7 +71,7 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 def _record_key(r):
-    return (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes)
+    return (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes, r.format, r.exact_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,7 @@ class LinsRun:
     reduce_in_backward: bool = False
     told_steps: int | None = None
     tree_name: str | None = None  # which NESTED_TREES entry model_kwargs is (conftest.py): a label
+    comm_formats: str | None = None  # apply_lins' wire formats (None: exact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +140,8 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
             tensor_parallelize(model, mesh.tp_mesh())
         param_dtype = cfg.param_dtype
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-                   max_inflight_bytes=cfg.max_inflight_bytes, units=Block if cfg.units == "Block" else None)
+                   max_inflight_bytes=cfg.max_inflight_bytes, units=Block if cfg.units == "Block" else None,
+                   comm_formats=cfg.comm_formats)
         if init == "meta":
             model.to_empty(device="cpu")
         if init is not None:  # the values come from a plain full state dict
@@ -167,6 +170,7 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
         expected = step_collectives(
             plan, state.schedule(), world_size=world // tp, ranks_per_node=cfg.ranks_per_node // tp, microbatches=mbs,
             param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, clip_grad_norm=clip, tp=tp,
+            formats=CommFormats.parse(cfg.comm_formats),
         )
         counted = Counter(_record_key(r) for r in stats.collectives)
         predicted = Counter()
