@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import warnings
 from collections import Counter
 from typing import Literal
@@ -177,7 +178,9 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
         for r in expected:
             predicted[_record_key(r)] += r.count
         memory_expected = state_memory_bytes(state.schedule(), param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4)
+        local = [local_values(p.detach()).reshape(-1).float() for p in model.parameters() if p.requires_grad]
         mine = {
+            "param_digest": hashlib.sha1(torch.cat(local).numpy().tobytes()).hexdigest(),  # this rank's P, bitwise
             "bytes_match": counted == predicted,
             "unwaited_bytes_match": early == predicted,
             "counted": dict(counted) if counted != predicted else None,
