@@ -7,6 +7,7 @@ cluster.json and removes every namespace it created.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -256,7 +257,7 @@ def test_ddp_hooks_train_like_ddp(ddp_hook_runs):
     for kind, run in ddp_hook_runs.items():
         losses = run["losses"]
         assert all(math.isfinite(x) for x in losses), (kind, losses)
-        assert all(b < a for a, b in zip(losses, losses[1:])), (kind, losses)
+        assert all(b < a for a, b in itertools.pairwise(losses)), (kind, losses)
     assert ddp_hook_runs["ddp-bf16-hook"]["losses"] == pytest.approx(plain, rel=1e-3)
     powersgd = ddp_hook_runs["ddp-powersgd"]
     assert powersgd["losses"][:POWERSGD_START_ITER + 1] == plain[:POWERSGD_START_ITER + 1]
@@ -299,7 +300,12 @@ def test_every_strategy_has_formats_and_an_equivalent():
     """Each row's wire formats come from strategy_formats; the planner's Equivalent carries
     them as text, and a strategy it cannot cost says why instead of a number."""
     from lins_dtensor.bench.planning import not_costed
-    from lins_dtensor.bench.strategies import STRATEGIES, equivalent_plan, formats_text, strategy_formats
+    from lins_dtensor.bench.strategies import (
+        STRATEGIES,
+        equivalent_plan,
+        formats_text,
+        strategy_formats,
+    )
 
     hooks = {"ddp-bf16-hook": {"grads": {"inter": "bf16", "intra": "bf16"}},
              "ddp-powersgd": {"grads": {"inter": "powersgd-r4", "intra": "powersgd-r4"}}}
