@@ -47,18 +47,16 @@ from lins_dtensor.stats import memory_bytes
 
 MAX_NORM = 1.0  # gradient clipping, for every strategy
 
-# PowerSGD (torch's powerSGD_hook). Rank 4: the model's matrices are 256 x 256, 256 x 768
-# and 2048 x 256, so every one compresses at rank 4 by 32x or more ((n + m) * 4 numbers
-# instead of n * m; 43x over the whole model with the 1-D weights sent as they are), and
-# rank 4 is the top of the range torch's PowerSGDState docs suggest (1-4) and what
-# Vogels et al. (2019) needed for their language model; rank 8 would halve the saving
-# for no accuracy the benchmark measures. Start at iteration 2, torch's minimum with
-# error feedback and warm start (DDP rebuilds its buckets after the first iteration, and
-# the per-bucket error and P / Q memories must not start before): the benchmark measures
-# step time and bytes over a few steps, not convergence, so the warm-up runs through the
-# vanilla steps and every timed step is compressed (a training run would start at ~10 %
-# of its steps, as torch advises). Error feedback and warm start on (torch's defaults,
-# its advice for accuracy).
+# PowerSGD (torch's powerSGD_hook; docs/benchmark.md gives the reasons in full).
+# Rank 4: every matrix of the small model (256 x 256, 256 x 768, 2048 x 256) compresses
+# by 32x or more ((n + m) * 4 numbers instead of n * m; 43x over the whole model with
+# the 1-D weights sent as they are); 4 is the top of the range torch's PowerSGDState
+# docs give as typical (1-4), and 8 would halve the saving and add compression compute
+# for accuracy a few-step benchmark does not measure. Start at iteration 2, torch's
+# minimum with error feedback or warm start (DDP rebuilds its buckets after the first
+# iteration): the warm-up runs through the vanilla steps, so every timed step is
+# compressed (a training run would start at ~10 % of its steps, as torch advises).
+# Error feedback and warm start on: torch's defaults and its advice for accuracy.
 POWERSGD_RANK = 4
 POWERSGD_START_ITER = 2
 
