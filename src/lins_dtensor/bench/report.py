@@ -63,7 +63,7 @@ METHODS = {
     "link_floor": "the step time if every collective hid behind compute: max(predicted compute, the node link's time for "
                   "the inter-node bytes of all its ranks at the link rate)",
     "fits": "the planner's predicted peak per-rank memory for the strategy (model states + activations + buffers) <= budget; "
-            "null where the planner has no prediction",
+            "null where the planner has no prediction (not counted as fitting in the comparisons)",
     "formats": "the wire format of each state's collectives on each link level (inter-node, intra-node): 'exact' (fp32 "
                "here), bf16 (DDP's bf16_compress_hook) or powersgd-r<rank> (DDP's powerSGD_hook)",
 }

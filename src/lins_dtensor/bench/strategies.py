@@ -74,8 +74,8 @@ DESCRIPTIONS = {
     "hpz": "FSDP2, reshard_after_forward=<node size> (ZeRO++ hpZ)",
     "ddp": "torch DistributedDataParallel (no_sync on all but the last micro-batch)",
     "ddp-bf16-hook": "DDP with torch's bf16_compress_hook (gradients all-reduced in bf16; no_sync as ddp)",
-    "ddp-powersgd": f"DDP with torch's powerSGD_hook (rank {POWERSGD_RANK}, PowerSGD from step {POWERSGD_START_ITER}, error "
-                    "feedback and warm start; 1-D weights all-reduced uncompressed; no_sync as ddp)",
+    "ddp-powersgd": f"DDP with torch's powerSGD_hook (rank {POWERSGD_RANK} from step {POWERSGD_START_ITER}, error feedback, "
+                    "warm start; no_sync as ddp)",
 }
 
 
@@ -287,8 +287,8 @@ class Equivalent(NamedTuple):
     not_costed: str | None = None
 
 
-DDP_NOTE = ("costed as Lins ddp without per-unit host time and copies (one all-reduce per step, overlapped with the "
-            "last backward as DDP's buckets are)")
+DDP_NOTE = ("Lins ddp without per-unit host time and copies (one all-reduce per step, overlapped with the last "
+            "backward as DDP's buckets are)")
 
 
 def equivalent_plan(strategy: str, rpn: int, plan: str | None = None) -> Equivalent:
@@ -301,10 +301,11 @@ def equivalent_plan(strategy: str, rpn: int, plan: str | None = None) -> Equival
         "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, on every micro-batch", True),
         "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, last micro-batch only", True),
         "hpz": Equivalent(f"hpz:{rpn}", False, True, f"costed as hpz:{rpn}"),
-        "ddp": Equivalent("ddp", False, False, DDP_NOTE),
+        "ddp": Equivalent("ddp", False, False, "costed as " + DDP_NOTE),
         "ddp-bf16-hook": Equivalent("ddp", False, False, DDP_NOTE + ", its gradients all-reduced in bf16",
                                     formats=formats_text(strategy_formats("ddp-bf16-hook"))),
-        "ddp-powersgd": Equivalent("ddp", False, False, "DDP's plan; its gradients compressed by PowerSGD",
+        "ddp-powersgd": Equivalent("ddp", False, False, DDP_NOTE + f", its gradients sent as PowerSGD's rank-{POWERSGD_RANK} "
+                                   "P and Q (1-D weights as they are)",
                                    formats=formats_text(strategy_formats("ddp-powersgd")),
                                    not_costed="not costed: PowerSGD's low-rank compression (and its compute) is not in the planner's model"),
         "lins-fsdp": Equivalent("fsdp", False, True, ""),
