@@ -459,7 +459,8 @@ def plot(result: dict, path: str) -> None:
         ax.bar(list(xs), pred, 0.27, label=f"planner predicted (FSDP2 {meta['overlap_fraction']:g} / Lins {meta['lins_overlap_fraction']:.2f})")
         ax.bar([x + 0.27 for x in xs], pred0, 0.27, label=f"planner predicted (overlap {meta['reference_overlap_fraction']:g})")
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{r['strategy']}\n{r['plan'] or ''}" for r in sel], rotation=60, ha="right", fontsize=7)
+        ax.set_xticklabels([f"{r['strategy']}\n{r['plan'] or ('(not costed)' if r['predicted']['step_s'] is None else '')}" for r in sel],
+                           rotation=60, ha="right", fontsize=7)
         rho = result["rank_correlation"].get(f"M={m}", {}).get("spearman")
         ax.set_title(f"M = {m} micro-batches" + (f" (Spearman {rho:.2f})" if rho is not None else ""))
         ax.set_ylabel("step time (s)")
