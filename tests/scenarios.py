@@ -28,7 +28,7 @@ from lins_dtensor import (
 )
 from lins_dtensor.formats import CommFormats
 from lins_dtensor.runtime import lins_state
-from lins_dtensor.schedule import state_memory_bytes, step_collectives
+from lins_dtensor.schedule import error_feedback_bytes, state_memory_bytes, step_collectives
 from lins_dtensor.units import local_values
 from tiny_llama import Block, batch, build_model, loss_fn, tensor_parallelize
 
@@ -178,6 +178,11 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
         for r in expected:
             predicted[_record_key(r)] += r.count
         memory_expected = state_memory_bytes(state.schedule(), param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4)
+        if cfg.comm_formats is not None:
+            memory_expected["feedback"] = error_feedback_bytes(
+                plan, state.schedule(), world_size=world // tp, ranks_per_node=cfg.ranks_per_node // tp, microbatches=mbs,
+                param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, formats=CommFormats.parse(cfg.comm_formats),
+            )
         local = [local_values(p.detach()).reshape(-1).float() for p in model.parameters() if p.requires_grad]
         mine = {
             "param_digest": hashlib.sha1(torch.cat(local).numpy().tobytes()).hexdigest(),  # this rank's P, bitwise

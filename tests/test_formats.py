@@ -121,12 +121,14 @@ def test_lossy_formats_send_what_the_schedule_says_and_every_rank_computes_with_
     (all-to-alls, gathers of encoded sums, encoded update gathers, with their formats and
     the bytes they stand for) equal schedule.step_collectives on every rank; where P is
     replicated every rank holds bitwise the same P; with bf16 gathers P is the masters
-    rounded to bf16, exactly (every rank, the owner of a chunk included, decodes it)."""
+    rounded to bf16, exactly (every rank, the owner of a chunk included, decodes it); the
+    memory per state, error-feedback residuals included, is the schedule's."""
     assert len(lossy_runs) == len(_runs())
     for result in lossy_runs:
         cfg = result["config"]
         label = f"{cfg.plan} {cfg.comm_formats}"
         assert all(r["bytes_match"] and r["unwaited_bytes_match"] for r in result["per_rank"]), (label, result["per_rank"][0]["counted"])
+        assert all(r["memory"] == r["memory_expected"] for r in result["per_rank"]), (label, result["per_rank"][0]["memory"])
         plan = LinsPlan.parse(cfg.plan, 4)
         lins_collectives = plan.optim > plan.params or plan.optim < 4  # else FSDP2's alone, always exact
         assert any(key[5] != "exact" for key in result["records"]) == lins_collectives, label

@@ -432,8 +432,9 @@ class LinsState:
 
     def unit_memory_bytes(self) -> dict[str, int]:
         """Persistent bytes the units hold per state (P, G, masters), measured on the live
-        tensors; :func:`lins_dtensor.stats.memory_bytes` adds the optimizer's states."""
-        total = {"params": 0, "grads": 0, "optim": 0}
+        tensors, and with lossy formats the error-feedback residuals ("feedback");
+        :func:`lins_dtensor.stats.memory_bytes` adds the optimizer's states."""
+        total = {"params": 0, "grads": 0, "optim": 0, **({"feedback": 0} if self.ctx.formats.lossy else {})}
         for unit in self.units:
             for state, nbytes in unit.memory_bytes().items():
                 total[state] += nbytes

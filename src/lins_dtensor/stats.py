@@ -23,7 +23,7 @@ class LinsStats:
             this rank (:mod:`lins_dtensor.schedule` names them).
         timings (list[CommTiming]): each collective's timing, in the same order.
         memory_bytes (dict[str, int]): persistent bytes per state ("params", "grads",
-            "optim") on this rank.
+            "optim"; with lossy formats "feedback", the error-feedback residuals) on this rank.
         blocking (bool): whether reading device timings may block the host until their
             events complete (``lins_stats(wait=True)``); else timings not yet complete
             count as unmeasured.

@@ -804,9 +804,13 @@ class LinsUnit:
         return found
 
     def memory_bytes(self) -> dict[str, int]:
-        """Persistent bytes of this unit's P, G and masters (optimizer states apart)."""
+        """Persistent bytes of this unit's P, G and masters (optimizer states apart), and
+        its error-feedback residuals once made ("feedback")."""
         masters = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
-        return {"params": self.backend.memory_bytes(), "grads": self.grad_buffer.numel() * self.grad_buffer.element_size(), "optim": masters}
+        out = {"params": self.backend.memory_bytes(), "grads": self.grad_buffer.numel() * self.grad_buffer.element_size(), "optim": masters}
+        if self.residuals:
+            out["feedback"] = sum(r.numel() * r.element_size() for residuals in self.residuals.values() for r in residuals)
+        return out
 
 
 def _request(ctx: ShardContext, spec: CollectiveSpec, step: int, start: Callable[..., Flight], *tensors: torch.Tensor, **kwargs) -> Request:
