@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import warnings
 from collections import Counter
 from typing import Literal
@@ -25,8 +26,9 @@ from lins_dtensor import (
     set_gradient_accumulation_steps,
     set_requires_gradient_sync,
 )
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.runtime import lins_state
-from lins_dtensor.schedule import state_memory_bytes, step_collectives
+from lins_dtensor.schedule import error_feedback_bytes, state_memory_bytes, step_collectives
 from lins_dtensor.units import local_values
 from tiny_llama import Block, batch, build_model, loss_fn, tensor_parallelize
 
@@ -70,7 +72,7 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 def _record_key(r):
-    return (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes)
+    return (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes, r.format, r.exact_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,7 @@ class LinsRun:
     reduce_in_backward: bool = False
     told_steps: int | None = None
     tree_name: str | None = None  # which NESTED_TREES entry model_kwargs is (conftest.py): a label
+    comm_formats: str | None = None  # apply_lins' wire formats (None: exact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +141,8 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
             tensor_parallelize(model, mesh.tp_mesh())
         param_dtype = cfg.param_dtype
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-                   max_inflight_bytes=cfg.max_inflight_bytes, units=Block if cfg.units == "Block" else None)
+                   max_inflight_bytes=cfg.max_inflight_bytes, units=Block if cfg.units == "Block" else None,
+                   comm_formats=cfg.comm_formats)
         if init == "meta":
             model.to_empty(device="cpu")
         if init is not None:  # the values come from a plain full state dict
@@ -167,13 +171,21 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
         expected = step_collectives(
             plan, state.schedule(), world_size=world // tp, ranks_per_node=cfg.ranks_per_node // tp, microbatches=mbs,
             param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, clip_grad_norm=clip, tp=tp,
+            formats=CommFormats.parse(cfg.comm_formats),
         )
         counted = Counter(_record_key(r) for r in stats.collectives)
         predicted = Counter()
         for r in expected:
             predicted[_record_key(r)] += r.count
         memory_expected = state_memory_bytes(state.schedule(), param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4)
+        if cfg.comm_formats is not None:
+            memory_expected["feedback"] = error_feedback_bytes(
+                plan, state.schedule(), world_size=world // tp, ranks_per_node=cfg.ranks_per_node // tp, microbatches=mbs,
+                param_bytes=torch.finfo(pdt).bits // 8, reduce_bytes=4, formats=CommFormats.parse(cfg.comm_formats),
+            )
+        local = [local_values(p.detach()).reshape(-1).float() for p in model.parameters() if p.requires_grad]
         mine = {
+            "param_digest": hashlib.sha1(torch.cat(local).numpy().tobytes()).hexdigest(),  # this rank's P, bitwise
             "bytes_match": counted == predicted,
             "unwaited_bytes_match": early == predicted,
             "counted": dict(counted) if counted != predicted else None,

@@ -123,9 +123,9 @@ def _bytes_match(model: torch.nn.Module, plan: LinsPlan, microbatches: int, clip
     validation forward between steps adds to)."""
     state = lins_state(model)
     expected = step_collectives(plan, state.schedule(), world_size=dist.get_world_size(), ranks_per_node=2,
-                                microbatches=microbatches, param_bytes=4, reduce_bytes=4, clip_grad_norm=clip)
+                                microbatches=microbatches, param_bytes=4, reduce_bytes=4, clip_grad_norm=clip, formats=state.ctx.formats)
     counted = {spec.name for spec in ALL_SPECS if spec.issuer == "lins" or not lins_only}
-    key = lambda r: (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes)  # noqa: E731
+    key = lambda r: (r.name, r.op.value, r.group_size, r.nodes, r.message_bytes, r.format)  # noqa: E731
     predicted = Counter()
     for r in expected:
         if r.name in counted:
@@ -162,7 +162,8 @@ def _blocks(model: torch.nn.Module) -> list[Block]:
 
 
 def recovery(configs: list[dict]) -> list[dict]:
-    """Each config: plan, fault (None, "forward", "backward", "before_step" or "in_step").
+    """Each config: plan, fault (None, "forward", "backward", "before_step" or "in_step"),
+    optionally formats (apply_lins' comm_formats).
     Lins told M=3; in step 2 the fault is injected on every rank (in forward of
     micro-batch 2, in backward of micro-batch 2 between the two blocks, after the last
     backward, or inside ``optimizer.step()`` once Lins has reduced the gradients and put
@@ -173,7 +174,7 @@ def recovery(configs: list[dict]) -> list[dict]:
     for cfg in configs:
         model = build_model()
         plan = LinsPlan.parse(cfg["plan"], world)
-        apply_lins(model, build_lins_mesh(plan, ranks_per_node=2, device_type="cpu"))
+        apply_lins(model, build_lins_mesh(plan, ranks_per_node=2, device_type="cpu"), comm_formats=cfg.get("formats"))
         set_gradient_accumulation_steps(model, RECOVERY_MICROBATCHES)
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         first, second = _blocks(model)[:2]

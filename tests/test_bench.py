@@ -7,7 +7,9 @@ cluster.json and removes every namespace it created.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -44,6 +46,7 @@ def _skip_reason() -> str | None:
 ROW_FIELDS = {
     "strategy", "label", "plan", "microbatches", "reused_measurement", "step_time_s", "tokens_per_step",
     "tokens_per_s", "peak_memory", "bytes_per_rank", "predicted", "fits", "prediction_error", "prediction_error_reference", "last_loss",
+    "formats",
 }
 
 
@@ -90,6 +93,7 @@ def test_bench_cluster_end_to_end(tmp_path):
     (row,) = result["strategies"]
     assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
     assert row["strategy"] == "lins-fsdp" and row["plan"] == "p=4,g=4,os=4" and row["microbatches"] == 1
+    assert row["formats"] == "exact"
     assert {"median", "min", "max", "q1", "q3", "samples"} <= set(row["step_time_s"])
     assert len(row["step_time_s"]["samples"]) == 1 and row["step_time_s"]["median"] > 0
     assert row["tokens_per_s"] > 0
@@ -197,3 +201,176 @@ def test_lins_comm_time_is_the_median_of_the_timed_steps():
     ]
     assert median_comm_time(steps) == {"grads": {"exposed": 1.2, "hidden": 0.5}, "optim": {"exposed": 0.2, "hidden": 0.1}}
     assert median_comm_time(steps[:1]) == steps[0]
+
+
+# ----- DDP with torch's communication hooks ------------------------------------------------------
+HOOK_STEPS = 5  # PowerSGD compresses from step POWERSGD_START_ITER (2): three compressed steps
+
+
+def _ddp_hook_runs(steps: int, microbatches: int) -> dict:
+    """Each DDP strategy on this rank's fixed batch (2 ranks, one per node): its loss and
+    the bytes it recorded at every step."""
+    import torch.distributed as dist
+
+    from lins_dtensor.bench.measure import Ranks
+    from lins_dtensor.bench.model import MODEL_SIZES, batch, loss_fn
+    from lins_dtensor.bench.strategies import DDP_STRATEGIES, Strategies
+
+    ranks = Ranks(dist.get_rank(), dist.get_world_size(), 1)
+    ma = MODEL_SIZES["tiny"]
+    strategies = Strategies("tiny", ranks)
+    out = {}
+    for kind in DDP_STRATEGIES:
+        b = strategies.builder(kind, None)()
+        losses, records = [], []
+        for _ in range(steps):
+            total = 0.0
+            for mb in range(microbatches):
+                with b.microbatch_context(mb, microbatches):
+                    loss = loss_fn(b.model, batch(0, ranks.rank, mb, ma.vocab_size, 16, 2)) / microbatches
+                    loss.backward()
+                total += float(loss.detach())
+            b.clip()
+            b.optimizer.step()
+            b.optimizer.zero_grad(set_to_none=True)
+            b.end_step()
+            losses.append(total)
+            records.append([(r.name, r.group_size, r.nodes, r.message_bytes, r.count) for r in b.records()])
+        out[kind] = {"losses": losses, "records": records, "measured_from_step": b.measured_from_step}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_hook_runs() -> dict:
+    from distributed import run
+
+    return run(_ddp_hook_runs, 2, HOOK_STEPS, 2)
+
+
+def test_ddp_hooks_train_like_ddp(ddp_hook_runs):
+    """bf16 and PowerSGD hooks (torch's, on gloo) train: on a fixed batch the loss falls at
+    every step; bf16 follows plain DDP closely, PowerSGD equals it exactly until it starts
+    compressing (vanilla all-reduce before start_powerSGD_iter)."""
+    from lins_dtensor.bench.strategies import POWERSGD_START_ITER
+
+    plain = ddp_hook_runs["ddp"]["losses"]
+    for kind, run in ddp_hook_runs.items():
+        losses = run["losses"]
+        assert all(math.isfinite(x) for x in losses), (kind, losses)
+        assert all(b < a for a, b in itertools.pairwise(losses)), (kind, losses)
+    assert ddp_hook_runs["ddp-bf16-hook"]["losses"] == pytest.approx(plain, rel=1e-3)
+    powersgd = ddp_hook_runs["ddp-powersgd"]
+    assert powersgd["losses"][:POWERSGD_START_ITER + 1] == plain[:POWERSGD_START_ITER + 1]
+    assert powersgd["losses"] == pytest.approx(plain, rel=1e-2)
+    assert powersgd["measured_from_step"] == POWERSGD_START_ITER and ddp_hook_runs["ddp"]["measured_from_step"] == 0
+
+
+def test_ddp_hooks_record_what_they_send(ddp_hook_runs):
+    """The recording group sees the hooks' all-reduces as sent: bf16 exactly half of plain
+    DDP's bytes in as many all-reduces; PowerSGD, once it compresses, per bucket an
+    all-reduce of the 1-D weights as they are, one of P (n x r per n x m weight) and one
+    of Q (m x r), fp32, with r = POWERSGD_RANK; before that, plain DDP's all-reduce."""
+    from lins_dtensor.bench.model import build_model
+    from lins_dtensor.bench.strategies import POWERSGD_RANK, POWERSGD_START_ITER
+
+    def totals(step_records):
+        return sum(nbytes * count for *_, nbytes, count in step_records), sum(count for *_, count in step_records)
+
+    plain = ddp_hook_runs["ddp"]["records"]
+    assert all(name == "optim_all_reduce" and size == 2 and nodes == 2 for step in plain for name, size, nodes, *_ in step)
+    shapes = [p.shape for p in build_model("tiny").parameters()]
+    numel = sum(s.numel() for s in shapes)
+    plain_bytes, buckets = totals(plain[-1])
+    assert plain_bytes == 4 * numel and buckets >= 1
+    for step in ddp_hook_runs["ddp-bf16-hook"]["records"]:
+        assert totals(step) == (plain_bytes // 2, buckets)
+    r = POWERSGD_RANK
+    matrices = [s for s in shapes if len(s) == 2]
+    assert all((n + m) * r * 2 < n * m for n, m in matrices)  # torch's min_compression_rate 2: every one compresses
+    p_q = sum((n + m) * r for n, m in matrices)
+    vectors = sum(s.numel() for s in shapes if len(s) == 1)
+    powersgd = ddp_hook_runs["ddp-powersgd"]["records"]
+    for step in powersgd[:POWERSGD_START_ITER]:
+        assert totals(step) == (plain_bytes, buckets)
+    for step in powersgd[POWERSGD_START_ITER:]:
+        assert totals(step) == (4 * (p_q + vectors), 3 * buckets)
+
+
+def test_every_strategy_has_formats_and_an_equivalent():
+    """Each row's wire formats come from strategy_formats; the planner's Equivalent carries
+    them as text, and a strategy it cannot cost says why instead of a number."""
+    from lins_dtensor.bench.planning import not_costed
+    from lins_dtensor.bench.strategies import (
+        STRATEGIES,
+        equivalent_plan,
+        formats_text,
+        strategy_formats,
+    )
+
+    hooks = {"ddp-bf16-hook": {"grads": {"inter": "bf16", "intra": "bf16"}},
+             "ddp-powersgd": {"grads": {"inter": "powersgd-r4", "intra": "powersgd-r4"}}}
+    for s in (*STRATEGIES, "lins-plan"):
+        eq = equivalent_plan(s, 2, "p=2,g=2,os=2")
+        assert strategy_formats(s) == hooks.get(s, "exact") and eq.formats == formats_text(strategy_formats(s))
+        assert (not_costed(eq) is None) == (s not in hooks), s
+    assert equivalent_plan("ddp-bf16-hook", 2).formats == "grads=bf16,grads:intra=bf16"
+    assert equivalent_plan("ddp-bf16-hook", 2).plan == equivalent_plan("ddp-powersgd", 2).plan == "ddp"
+    assert "not costed: PowerSGD" in not_costed(equivalent_plan("ddp-powersgd", 2))
+    assert "wire formats" in not_costed(equivalent_plan("ddp-bf16-hook", 2))
+
+
+def _measured_row(strategy: str, median: float, predicted: float | None, microbatches: int = 1) -> dict:
+    """make_row on made-up measurements; ``predicted`` None: the planner did not cost it."""
+    from lins_dtensor.bench.planning import Planning
+    from lins_dtensor.bench.report import RowSpec, make_row
+    from lins_dtensor.bench.strategies import equivalent_plan
+
+    eq = equivalent_plan(strategy, 2)
+    if predicted is None:
+        pred = Planning(*[None] * 7).predict(microbatches, eq)  # returns before it needs the planner
+    else:
+        pred = {"plan": eq.plan, "step_s": predicted, "step_s_reference": predicted, "peak_bytes": 1 << 20,
+                "compute_s": {"forward": predicted / 2}}
+    states = {"params": 1, "grads": 1, "optim": 2}
+    return make_row(
+        RowSpec(strategy, strategy, None, microbatches, strategy),
+        measured={"times": [median], "records": [], "last_loss": 1.0},
+        per_rank=[{"peak": 1, "persistent": 1, "transient": 0, "states": states, "comm_time": None}] * 2,
+        reused=False, predicted={**pred, "note": eq.note}, tokens_per_step=64, budgets_gib=[None, 1.0],
+        link_rate="300mbit", ranks_per_node=2,
+    )
+
+
+def test_rows_without_a_prediction_are_left_out_of_the_accuracy_figures():
+    """A strategy the planner does not cost (the DDP hooks) gets its formats and no
+    prediction error, link floor or fit, and the rank correlation and mean |error| are
+    those of the costed rows alone, naming the others; the Markdown says so."""
+    from lins_dtensor.bench.report import assemble, markdown
+
+    rows = [_measured_row("fsdp2", 2.0, 2.2), _measured_row("hpz", 1.5, 1.2), _measured_row("ddp", 1.0, 1.1),
+            _measured_row("ddp-bf16-hook", 0.7, None), _measured_row("ddp-powersgd", 0.5, None)]
+    result = assemble({}, rows)
+    by = {r["strategy"]: r for r in result["strategies"]}
+    assert by["ddp"]["formats"] == "exact" and by["ddp-powersgd"]["formats"]["grads"]["inter"] == "powersgd-r4"
+    assert by["ddp"]["prediction_error"] == pytest.approx(0.1) and by["ddp"]["fits"] == {"1 GiB": True, "unlimited": True}
+    for s in ("ddp-bf16-hook", "ddp-powersgd"):
+        r = by[s]
+        assert r["prediction_error"] is None and r["prediction_error_reference"] is None and r["link_floor_s"] is None
+        assert r["fits"] == {"1 GiB": None, "unlimited": True} and r["predicted"]["not_costed"].startswith("not costed")
+    acc = result["rank_correlation"]["M=1"]
+    assert acc["n"] == 3 and acc["not_costed"] == ["ddp-bf16-hook", "ddp-powersgd"]
+    assert acc["spearman"] == pytest.approx(1.0) and acc["mean_abs_error"] == pytest.approx((0.1 + 0.2 + 0.1) / 3)
+    result["meta"] = {"nodes": 1, "ranks_per_node": 2, "world_size": 2, "link_rate": "300mbit", "cpu_count": 2,
+                      "model": {"params": 1, "dim": 1, "n_layers": 1, "n_heads": 1, "ffn_dim": 1, "vocab_size": 1},
+                      "dtype": "fp32", "batch_size": 1, "seq_len": 1, "warmup_steps": 1, "timed_steps": 1, "elapsed_s": 1.0,
+                      "calibration": _CALIBRATION, "planner": [], "overlap_fraction": 0.0, "lins_overlap_fraction": 0.5,
+                      "reference_overlap_fraction": 0.8, "methods": {}}
+    text = markdown(result)
+    assert "| grads powersgd-r4 |" in text and "not costed | not costed | unknown |" in text
+    assert "- ddp-powersgd: not costed: PowerSGD's low-rank compression" in text
+
+
+_CALIBRATION = {"forward_backward_s": 1.0, "flops_per_s": 1e9, "optimizer_step_s": 1.0, "copy_s": 1.0, "copy_bytes_per_s": 1e9,
+                "unit_overhead_s": 0.0, "fsdp_forward_backward_s": 1.0, "replicated_unit_overhead_s": 0.0,
+                "lins_forward_backward_s": 1.0, "lins_overlap_fraction": 0.5,
+                "overlap_probe": {"message_bytes": 1, "all_reduce_s": 1.0, "compute_s": 1.0, "both_s": 1.0}}

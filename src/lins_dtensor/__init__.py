@@ -6,6 +6,7 @@ from lins_dtensor.errors import (
     LinsPlanError,
     LinsUsageError,
 )
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.mesh import LinsMesh, build_lins_mesh
 from lins_dtensor.optimizer import clip_grad_norm_, lins_optimizer
 from lins_dtensor.plan import LinsPlan, valid_plans
@@ -20,6 +21,7 @@ from lins_dtensor.runtime import (
 from lins_dtensor.stats import LinsStats, lins_stats
 
 __all__ = [
+    "CommFormats",
     "LinsCheckpointError",
     "LinsError",
     "LinsMesh",

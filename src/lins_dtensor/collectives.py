@@ -4,7 +4,8 @@ All communication of the runtime goes through the functions here: FSDP2's own
 parameter all-gather and gradient reduce-scatter come in through its documented
 extension points (:class:`LinsAllGather`, :class:`LinsReduceScatter`), and the
 gradient, optimizer and update collectives that FSDP2 cannot express are started by
-:func:`start_all_gather`, :func:`start_reduce_scatter` and :func:`start_all_reduce`,
+:func:`start_all_gather`, :func:`start_reduce_scatter`, :func:`start_all_reduce` and
+:func:`start_all_to_all` (the wire half of a reduction in a lossy format),
 always asynchronously: each returns a :class:`Flight` that the executor
 (:mod:`lins_dtensor.executor`) joins where the result is needed. The hosts agree on
 which parameters took part in a step with a :class:`HostAllReduce`. Each call is recorded
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lins_dtensor.compat import AllGather, ReduceScatter, all_gather_single, fsdp_wait_all_gather_streams, in_backward, reduce_scatter_single
-from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, PARAM_REGATHER, CollectiveRecord, CollectiveSpec
+from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, PARAM_REGATHER, CollectiveRecord, CollectiveSpec, Op
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,13 +123,20 @@ class CommRecorder:
             self._group_info[key] = (len(ranks), len({r // self.ranks_per_node for r in ranks}))
         return self._group_info[key]
 
-    def record(self, spec: CollectiveSpec, group: dist.ProcessGroup | None, message: torch.Tensor, step: int | None = None) -> CommTiming:
+    def describe(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
+        """(ranks, nodes) of ``group``: its size and its link level on the wire."""
+        return self._describe(group)
+
+    def record(self, spec: CollectiveSpec, group: dist.ProcessGroup | None, message: torch.Tensor, step: int | None = None,
+               op: Op | None = None, fmt: str = "exact", exact_bytes: int | None = None) -> CommTiming:
+        """Record one collective of ``spec`` (as ``op`` in wire format ``fmt``, standing
+        for ``exact_bytes`` of values, when it runs encoded: :class:`~lins_dtensor.schedule.Encoded`)."""
         step = self.step if step is None else step
         size, nodes = self._describe(group)
         nbytes = message.numel() * message.element_size()
         timing = CommTiming(spec.name, spec.state, time.perf_counter())
         if step in self._records:  # else: a step already dropped (three steps back)
-            self._records[step].append(CollectiveRecord(spec.name, spec.state, spec.op, size, nodes, nbytes))
+            self._records[step].append(CollectiveRecord(spec.name, spec.state, op or spec.op, size, nodes, nbytes, format=fmt, exact_bytes=exact_bytes))
             self._timings[step].append(timing)
         return timing
 
@@ -298,9 +306,10 @@ class Flight:
 
 
 # ----- Lins' own collectives: asynchronous, recorded ---------------------------------
-def _start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, group, message: torch.Tensor, call, step: int | None) -> Flight:
+def _start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, group, message: torch.Tensor, call, step: int | None,
+           op: Op | None = None, fmt: str = "exact", exact_bytes: int | None = None) -> Flight:
     with record_function(f"lins::{spec.name}"):
-        timing = recorder.record(spec, group, message, step)
+        timing = recorder.record(spec, group, message, step, op, fmt, exact_bytes)
         with stream.scope():
             timing.start_event = stream.event_on_side(timing=True)  # None on CPU
             with _naming_failures(spec):
@@ -308,9 +317,21 @@ def _start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, gro
         return Flight(work, spec, timing, stream)
 
 
-def start_all_gather(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, step: int | None = None) -> Flight:
+def start_all_gather(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group,
+                     step: int | None = None, fmt: str = "exact", exact_bytes: int | None = None) -> Flight:
+    """All-gather ``input`` into ``output``; ``fmt``: the wire format their bytes are in
+    (encoded bytes standing for ``exact_bytes``, :mod:`lins_dtensor.formats`), also for
+    the gather half of an encoded all-reduce."""
     return _start(recorder, stream, spec, group, output,
-                  lambda: all_gather_single(output, input, group=group, async_op=True), step)
+                  lambda: all_gather_single(output, input, group=group, async_op=True), step, Op.ALL_GATHER, fmt, exact_bytes)
+
+
+def start_all_to_all(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group,
+                     step: int | None = None, fmt: str = "exact", exact_bytes: int | None = None) -> Flight:
+    """Send chunk ``j`` of ``input`` (encoded bytes) to rank ``j`` of ``group``, receive
+    theirs into ``output``: the wire half of a reduction in a lossy format."""
+    return _start(recorder, stream, spec, group, input,
+                  lambda: dist.all_to_all_single(output, input, group=group, async_op=True), step, Op.ALL_TO_ALL, fmt, exact_bytes)
 
 
 def start_reduce_scatter(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, step: int | None = None) -> Flight:

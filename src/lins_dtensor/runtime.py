@@ -58,6 +58,7 @@ from lins_dtensor.compat import (
 )
 from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.executor import Executor
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.mesh import TENSOR_PARALLEL, LinsMesh, mesh_layout
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.schedule import USED_PARAMS_ALL_REDUCE, UnitSchedule, default_max_inflight_bytes
@@ -365,6 +366,7 @@ class LinsState:
             fsdp_reset_iter_state(self.fsdp_root)
         for unit in self.units:
             unit.end_step()
+            unit.reset_feedback()
         self.progress.reset()
         self.recorder.discard_running_step()
         if self.discard_optimizer_step is not None:
@@ -430,8 +432,9 @@ class LinsState:
 
     def unit_memory_bytes(self) -> dict[str, int]:
         """Persistent bytes the units hold per state (P, G, masters), measured on the live
-        tensors; :func:`lins_dtensor.stats.memory_bytes` adds the optimizer's states."""
-        total = {"params": 0, "grads": 0, "optim": 0}
+        tensors, and with lossy formats the error-feedback residuals ("feedback");
+        :func:`lins_dtensor.stats.memory_bytes` adds the optimizer's states."""
+        total = {"params": 0, "grads": 0, "optim": 0, **({"feedback": 0} if self.ctx.formats.lossy else {})}
         for unit in self.units:
             for state, nbytes in unit.memory_bytes().items():
                 total[state] += nbytes
@@ -645,6 +648,7 @@ def apply_lins(
     units: Iterable[nn.Module] | type | tuple[type, ...] | None = None,
     max_inflight_bytes: int | None = None,
     master_dtype: torch.dtype | None = None,
+    comm_formats: str | CommFormats | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place under ``plan`` and return it.
 
@@ -680,6 +684,12 @@ def apply_lins(
         master_dtype (torch.dtype | None): the dtype of the masters the optimizer steps;
             ``None``: the model's dtype, or fp32 for a model built in bf16 / fp16 (an
             optimizer in half precision loses updates smaller than its rounding).
+        comm_formats (str | CommFormats | None): the wire format of Lins' gradient
+            reductions ("grads") and update gathers ("params") per link level, e.g.
+            ``"grads=int8,params=bf16"`` (groups that span nodes) or
+            ``"grads:intra=bf16"``; ``None`` or ``"exact"``: every collective exact, as
+            without formats (:mod:`lins_dtensor.formats`). Lossy formats sum in fp32 and
+            keep the masters exact; every rank computes with the same parameters.
 
     Returns:
         nn.Module: ``model`` itself, sharded.
@@ -709,6 +719,8 @@ def apply_lins(
         master_dtype = torch.float32 if model_dtype in (torch.bfloat16, torch.float16) else model_dtype
     param_dtype = mp_policy.param_dtype or model_dtype
     reduce_dtype = mp_policy.reduce_dtype or torch.float32
+    formats = CommFormats.parse(comm_formats)
+    formats.check(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
 
     # Trainable parameters keep the model's dtype until their masters are made from them
@@ -725,7 +737,7 @@ def apply_lins(
     ctx = ShardContext(
         mesh, plan, param_dtype, reduce_dtype, master_dtype,
         float(mesh.dp_world_size if gradient_divide_factor is None else gradient_divide_factor), device,
-        CommRecorder(mesh.ranks_per_node), stream, Executor(stream, max_inflight_bytes or 0),
+        CommRecorder(mesh.ranks_per_node), stream, Executor(stream, max_inflight_bytes or 0), formats,
     )
     state = LinsState(ctx, fsdp_root=model if plan.params > 1 else None)
     unit_modules = unit_list + [model]

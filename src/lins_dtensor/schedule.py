@@ -46,10 +46,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from lins_dtensor.formats import EXACT, CommFormats, WireFormat
 from lins_dtensor.layout import ChunkLayout, chunk_start
 from lins_dtensor.mesh import GRAD_SHARD, OPTIM_REPLICA, OPTIM_SHARD, PARAM_SHARD, mesh_shape
 from lins_dtensor.plan import LinsPlan
@@ -59,6 +60,7 @@ class Op(str, enum.Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"  # a reduction in a lossy wire format (lins_dtensor.formats)
 
 
 class Phase(str, enum.Enum):
@@ -76,7 +78,10 @@ class CollectiveSpec:
     ``layout`` names the level of :class:`UnitGeometry` whose buffer it moves; its
     message is that layout's whole buffer (``total``), or one chunk row (``chunk``)
     for the all-reduce; "scalar" is one value, "flags" one per parameter of the model.
-    ``dtype`` is "param", "reduce", "float32" or "uint8".
+    ``dtype`` is "param", "reduce", "float32" or "uint8". ``carries`` says what a
+    collective Lins issues moves, "grads" or "params" (the kinds of
+    :class:`~lins_dtensor.formats.CommFormats`), and so which wire format it may take;
+    ``None`` (FSDP2's, the flags, the norm): always exact.
     """
 
     name: str
@@ -87,16 +92,17 @@ class CollectiveSpec:
     dtype: str
     layout: str
     issuer: str = "lins"  # "fsdp2": issued and waited for by FSDP2
+    carries: str | None = None
 
 
 PARAM_ALL_GATHER = CollectiveSpec("param_all_gather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.FORWARD, "param", "params", "fsdp2")
 PARAM_REGATHER = CollectiveSpec("param_regather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.BACKWARD, "param", "params", "fsdp2")
 GRAD_REDUCE_SCATTER = CollectiveSpec("grad_reduce_scatter", "grads", Op.REDUCE_SCATTER, PARAM_SHARD, Phase.BACKWARD, "reduce", "params", "fsdp2")
-GRAD_SHARD_REDUCE_SCATTER = CollectiveSpec("grad_shard_reduce_scatter", "grads", Op.REDUCE_SCATTER, GRAD_SHARD, Phase.BACKWARD, "reduce", "grads")
-OPTIM_REDUCE_SCATTER = CollectiveSpec("optim_reduce_scatter", "optim", Op.REDUCE_SCATTER, OPTIM_SHARD, Phase.STEP, "reduce", "optim")
-OPTIM_ALL_REDUCE = CollectiveSpec("optim_all_reduce", "optim", Op.ALL_REDUCE, OPTIM_REPLICA, Phase.STEP, "reduce", "optim")
-UPDATE_GATHER_OPTIM = CollectiveSpec("update_gather_optim", "optim", Op.ALL_GATHER, OPTIM_SHARD, Phase.STEP, "param", "optim")
-UPDATE_GATHER_GRAD = CollectiveSpec("update_gather_grad", "optim", Op.ALL_GATHER, GRAD_SHARD, Phase.STEP, "param", "grads")
+GRAD_SHARD_REDUCE_SCATTER = CollectiveSpec("grad_shard_reduce_scatter", "grads", Op.REDUCE_SCATTER, GRAD_SHARD, Phase.BACKWARD, "reduce", "grads", carries="grads")
+OPTIM_REDUCE_SCATTER = CollectiveSpec("optim_reduce_scatter", "optim", Op.REDUCE_SCATTER, OPTIM_SHARD, Phase.STEP, "reduce", "optim", carries="grads")
+OPTIM_ALL_REDUCE = CollectiveSpec("optim_all_reduce", "optim", Op.ALL_REDUCE, OPTIM_REPLICA, Phase.STEP, "reduce", "optim", carries="grads")
+UPDATE_GATHER_OPTIM = CollectiveSpec("update_gather_optim", "optim", Op.ALL_GATHER, OPTIM_SHARD, Phase.STEP, "param", "optim", carries="params")
+UPDATE_GATHER_GRAD = CollectiveSpec("update_gather_grad", "optim", Op.ALL_GATHER, GRAD_SHARD, Phase.STEP, "param", "grads", carries="params")
 GRAD_NORM_ALL_REDUCE = CollectiveSpec("grad_norm_all_reduce", "optim", Op.ALL_REDUCE, None, Phase.STEP, "float32", "scalar")
 # Which parameters took part in the step on any rank (a MAX of one byte per parameter,
 # on the hosts' gloo group): those that took part nowhere get no optimizer update, as
@@ -129,6 +135,8 @@ class CollectiveRecord:
     nodes: int
     message_bytes: int
     count: int = 1
+    format: str = "exact"  # the wire format (lins_dtensor.formats)
+    exact_bytes: int | None = None  # lossy: the message's bytes had it run exact (each half of an all-reduce)
 
     @property
     def link(self) -> str:
@@ -136,10 +144,16 @@ class CollectiveRecord:
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes each rank sends with the ring algorithm, all ``count`` calls together."""
+        """Bytes each rank sends with the ring algorithm (an all-to-all sends all chunks
+        but its own), all ``count`` calls together."""
         n = self.group_size
         factor = 2 * (n - 1) / n if self.op is Op.ALL_REDUCE else (n - 1) / n
         return factor * self.message_bytes * self.count
+
+    @property
+    def exact_wire_bytes(self) -> float:
+        """:attr:`wire_bytes` had the collective run exact (the compression's baseline)."""
+        return self.wire_bytes if self.exact_bytes is None else self.wire_bytes * self.exact_bytes / self.message_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +239,88 @@ def nodes_spanned(size: int, stride: int, ranks_per_node: int) -> int:
     return len({(i * stride) // ranks_per_node for i in range(size)})
 
 
+def link_level(size: int, stride: int, ranks_per_node: int) -> str:
+    """"inter" when a group of ``size`` ranks ``stride`` apart spans nodes, else "intra"."""
+    return "inter" if nodes_spanned(size, stride, ranks_per_node) > 1 else "intra"
+
+
+def spec_format(spec: CollectiveSpec, formats: CommFormats, level: str) -> WireFormat:
+    """The wire format a collective of ``spec`` takes on a group at ``level``."""
+    return EXACT if spec.carries is None else formats.of(spec.carries, level)
+
+
+# ----- collectives in a lossy wire format ------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """How one collective of ``spec`` runs in the lossy format ``fmt`` on a group of
+    ``chunks`` ranks, over a message of ``chunks`` x ``chunk_numel`` values: the
+    collectives it becomes and their messages, the values each rank encodes and decodes,
+    and the error-feedback residuals it keeps (fp32 values).
+
+    * reduce-scatter: an all-to-all of the encoded chunks, then a local fp32 sum of the
+      ``chunks`` decoded rows;
+    * all-reduce: the same over ``chunks`` slices of the message (the last padded), then
+      an all-gather of each rank's encoded sum, decoded by every rank, itself included;
+    * all-gather: each rank encodes its chunk, every rank decodes all of them.
+    """
+
+    spec: CollectiveSpec
+    fmt: WireFormat
+    chunks: int
+    chunk_numel: int
+    exact_bytes: int
+
+    @classmethod
+    def of(cls, spec: CollectiveSpec, fmt: WireFormat, group: int, layout: ChunkLayout, exact_bytes: int) -> "Encoded":
+        numel = -(-layout.chunk_numel // group) if spec.op is Op.ALL_REDUCE else layout.chunk_numel
+        return cls(spec, fmt, group, numel, exact_bytes)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.fmt.chunk_bytes(self.chunk_numel, self.exact_bytes)
+
+    @property
+    def message_bytes(self) -> int:
+        """Bytes of the whole encoded buffer (all-to-all input, all-gather output)."""
+        return self.chunks * self.chunk_bytes
+
+    @property
+    def exact_message_bytes(self) -> int:
+        """The message's bytes in the collective's own dtype (what the format saves on)."""
+        return self.chunks * self.chunk_numel * self.exact_bytes
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        return {Op.REDUCE_SCATTER: (Op.ALL_TO_ALL,), Op.ALL_REDUCE: (Op.ALL_TO_ALL, Op.ALL_GATHER), Op.ALL_GATHER: (Op.ALL_GATHER,)}[self.spec.op]
+
+    @property
+    def feedback(self) -> bool:
+        """Error feedback: for gradients in a biased format (parameter values are encoded
+        afresh from exact masters every step)."""
+        return self.fmt.error_feedback and self.spec.carries == "grads"
+
+    @property
+    def residual_numels(self) -> tuple[int, ...]:
+        """fp32 residuals kept between steps: of the all-to-all's input, and (all-reduce)
+        of this rank's encoded sum."""
+        if not self.feedback:
+            return ()
+        whole = self.chunks * self.chunk_numel
+        return (whole, self.chunk_numel) if self.spec.op is Op.ALL_REDUCE else (whole,)
+
+    @property
+    def codec_values(self) -> int:
+        """Values this rank encodes plus decodes in one call (error feedback decodes its
+        own encoded input once more to know what rounding lost)."""
+        whole = self.chunks * self.chunk_numel
+        if self.spec.op is Op.ALL_GATHER:
+            return self.chunk_numel + whole
+        values = 2 * whole + (whole if self.feedback else 0)
+        if self.spec.op is Op.ALL_REDUCE:
+            values += self.chunk_numel + whole + (self.chunk_numel if self.feedback else 0)
+        return values
+
+
 # ----- the expected communication of one step ----------------------------------------
 @dataclasses.dataclass(frozen=True)
 class UnitSchedule:
@@ -245,13 +341,17 @@ def step_collectives(
     reduce_bytes: int,
     clip_grad_norm: bool = False,
     tp: int = 1,
+    formats: CommFormats = CommFormats(),
 ) -> list[CollectiveRecord]:
-    """The collectives one rank issues in one optimizer step, aggregated by kind and size.
+    """The collectives one rank issues in one optimizer step, aggregated by kind, size and
+    wire format.
 
     ``world_size`` and ``ranks_per_node`` count data-parallel ranks (the plan's); with
     tensor parallelism of degree ``tp`` the units' geometry is of this rank's TP slices,
-    and only the host agreement and the gradient norm's all-reduce span the TP ranks too."""
-    dtype_bytes = {"param": param_bytes, "reduce": reduce_bytes, "float32": 4, "uint8": 1}
+    and only the host agreement and the gradient norm's all-reduce span the TP ranks too.
+    A collective in a lossy format (``formats``) is counted as the collectives it
+    becomes (:class:`Encoded`), with their encoded bytes."""
+    dtype_bytes = _dtype_bytes(param_bytes, reduce_bytes)
     units = list(units)
     counts: dict[tuple, int] = {}
 
@@ -262,9 +362,16 @@ def step_collectives(
             return
         stride = group_stride(plan, spec.mesh_dim) if stride is None else stride
         nodes = nodes_spanned(size, stride, ranks_per_node) if nodes is None else nodes
+        fmt = spec_format(spec, formats, "inter" if nodes > 1 else "intra")
+        if fmt.lossy and geometry is not None:
+            encoded = Encoded.of(spec, fmt, size, geometry.layout(spec.layout), dtype_bytes[spec.dtype])
+            for op in encoded.ops:
+                key = (spec.name, spec.state, op, size, nodes, encoded.message_bytes, fmt.name, encoded.exact_message_bytes)
+                counts[key] = counts.get(key, 0) + times
+            return
         if numel is None:
             numel = 1 if geometry is None else geometry.message_numel(spec)
-        key = (spec.name, spec.state, spec.op, size, nodes, numel * dtype_bytes[spec.dtype])
+        key = (spec.name, spec.state, spec.op, size, nodes, numel * dtype_bytes[spec.dtype], EXACT.name, None)
         counts[key] = counts.get(key, 0) + times
 
     hpz = plan.reshard_after_forward
@@ -286,7 +393,52 @@ def step_collectives(
     add(USED_PARAMS_ALL_REDUCE, None, 1, numel=sum(unit.geometry.message_numel(USED_PARAMS_ALL_REDUCE) for unit in units), **every_rank)
     if clip_grad_norm:
         add(GRAD_NORM_ALL_REDUCE, None, 1, **every_rank)
-    return [CollectiveRecord(*key, count=count) for key, count in counts.items()]
+    return [CollectiveRecord(*key[:6], count=count, format=key[6], exact_bytes=key[7]) for key, count in counts.items()]
+
+
+def _dtype_bytes(param_bytes: int, reduce_bytes: int) -> dict[str, int]:
+    return {"param": param_bytes, "reduce": reduce_bytes, "float32": 4, "uint8": 1}
+
+
+# Lins' collectives that may take a lossy format (``carries`` set); per step the
+# G-level reduce-scatter runs every micro-batch, the others once.
+LOSSY_CAPABLE = (GRAD_SHARD_REDUCE_SCATTER, OPTIM_REDUCE_SCATTER, OPTIM_ALL_REDUCE, UPDATE_GATHER_OPTIM, UPDATE_GATHER_GRAD)
+
+
+def encoded_collectives(
+    plan: LinsPlan, units: Iterable[UnitSchedule], *, world_size: int, ranks_per_node: int, microbatches: int,
+    param_bytes: int, reduce_bytes: int, formats: CommFormats,
+) -> Iterator[tuple[Encoded, int]]:
+    """Each lossy collective of one step (:class:`Encoded`) and how many times it runs:
+    what the codec work and the error-feedback memory are counted from."""
+    dtype_bytes = _dtype_bytes(param_bytes, reduce_bytes)
+    for unit in units:
+        geo = unit.geometry
+        if not any(s.numel() for s in geo.shapes):
+            continue
+        for spec in LOSSY_CAPABLE:
+            size = group_size(plan, world_size, spec.mesh_dim)
+            fmt = spec_format(spec, formats, link_level(size, group_stride(plan, spec.mesh_dim), ranks_per_node))
+            if size > 1 and fmt.lossy:
+                times = microbatches if spec.phase is Phase.BACKWARD else 1
+                yield Encoded.of(spec, fmt, size, geo.layout(spec.layout), dtype_bytes[spec.dtype]), times
+
+
+def codec_values(plan: LinsPlan, units: Iterable[UnitSchedule], **kwargs) -> dict[str, dict[str, int]]:
+    """Values one rank encodes plus decodes in one step, by phase and format (the
+    arguments of :func:`encoded_collectives`): the planner times them at the rate
+    ``lins-plan profile`` measures for each format."""
+    out: dict[str, dict[str, int]] = {phase.value: {} for phase in Phase}
+    for encoded, times in encoded_collectives(plan, units, **kwargs):
+        part = out[encoded.spec.phase.value]
+        part[encoded.fmt.name] = part.get(encoded.fmt.name, 0) + times * encoded.codec_values
+    return out
+
+
+def error_feedback_bytes(plan: LinsPlan, units: Iterable[UnitSchedule], **kwargs) -> int:
+    """Persistent bytes per rank of the error-feedback residuals (fp32) of the lossy
+    gradient reductions (the arguments of :func:`encoded_collectives`)."""
+    return 4 * sum(sum(encoded.residual_numels) for encoded, _ in encoded_collectives(plan, units, **kwargs))
 
 
 def fsdp2_copy_bytes(
@@ -396,14 +548,16 @@ def local_copy_bytes(
     return copies
 
 
-def chain_buffer_bytes(geometry: UnitGeometry, *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4) -> dict[str, int]:
+def chain_buffer_bytes(geometry: UnitGeometry, *, param_bytes: int, reduce_bytes: int, master_bytes: int = 4,
+                       encoded: Iterable[Encoded] = ()) -> dict[str, int]:
     """Transient bytes each of a unit's chains (:mod:`lins_dtensor.executor`) holds
     until it is done: "grads", a micro-batch's reduce-scatter into G (the P-sharded
     gradient it was handed, counted in the reduce dtype, FSDP2's; autograd's, with P
     replicated, is in the parameter dtype, so this bounds it; the packed input; the
     output a later micro-batch adds); "optim", the reduction to the OS layout (packed
     input; its output is the optimizer's gradient, held until the step); "update", the
-    gathers back to P (cast masters, gathered outputs, packed G chunk)."""
+    gathers back to P (cast masters, gathered outputs, packed G chunk). A collective in a
+    lossy format (``encoded``) adds its encoded input and output and its decoded fp32 rows."""
     geo = geometry
     o_n, g_n = geo.optim.chunk_numel, geo.grads.chunk_numel
     grads = (geo.params.chunk_numel + geo.grads.total_numel + g_n) * reduce_bytes if geo.grads.k > 1 else 0
@@ -413,7 +567,11 @@ def chain_buffer_bytes(geometry: UnitGeometry, *, param_bytes: int, reduce_bytes
         update += geo.optim.total_numel * param_bytes
     if geo.grads.k > 1:
         update += geo.grads.total_numel * param_bytes + (0 if geo.os_is_g_chunk else g_n * param_bytes)
-    return {"grads": grads, "optim": optim, "update": update}
+    held = {"grads": grads, "optim": optim, "update": update}
+    for e in encoded:
+        chain = "grads" if e.spec.phase is Phase.BACKWARD else "update" if e.spec.carries == "params" else "optim"
+        held[chain] += 2 * e.message_bytes + 4 * e.chunks * e.chunk_numel
+    return held
 
 
 def default_max_inflight_bytes(chains: Iterable[dict[str, int]]) -> int:

@@ -23,7 +23,7 @@ class LinsStats:
             this rank (:mod:`lins_dtensor.schedule` names them).
         timings (list[CommTiming]): each collective's timing, in the same order.
         memory_bytes (dict[str, int]): persistent bytes per state ("params", "grads",
-            "optim") on this rank.
+            "optim"; with lossy formats "feedback", the error-feedback residuals) on this rank.
         blocking (bool): whether reading device timings may block the host until their
             events complete (``lins_stats(wait=True)``); else timings not yet complete
             count as unmeasured.
@@ -45,6 +45,20 @@ class LinsStats:
             for (s, o, lk), v in summarize(self.collectives).items()
             if (state is None or s == state) and (op is None or o == op) and (link is None or lk == link)
         )
+
+    def bytes_by_format(self) -> dict[str, float]:
+        """Message bytes per wire format ("exact" included, :mod:`lins_dtensor.formats`)."""
+        out: dict[str, float] = {}
+        for r in self.collectives:
+            out[r.format] = out.get(r.format, 0) + r.message_bytes * r.count
+        return out
+
+    @property
+    def compression_ratio(self) -> float:
+        """Wire bytes the step's collectives would have sent exact over what they sent
+        (1.0 with every format exact)."""
+        sent = sum(r.wire_bytes for r in self.collectives)
+        return sum(r.exact_wire_bytes for r in self.collectives) / sent if sent else 1.0
 
     def comm_time(self) -> dict[str, dict[str, float]]:
         """Per state: seconds of collective time that something waited for ("exposed")
@@ -78,6 +92,9 @@ class LinsStats:
             out[f"lins/comm/exposed_s/{state}"] = entry["exposed"]
             out[f"lins/comm/hidden_s/{state}"] = entry["hidden"]
         out["lins/comm_seconds"] = self.comm_seconds
+        for fmt, nbytes in self.bytes_by_format().items():
+            out[f"lins/bytes_by_format/{fmt}"] = nbytes
+        out["lins/compression_ratio"] = self.compression_ratio
         for state, nbytes in self.memory_bytes.items():
             out[f"lins/memory/{state}"] = nbytes
         return out

@@ -50,6 +50,7 @@ from lins_dtensor.collectives import (
     LinsReduceScatter,
     start_all_gather,
     start_all_reduce,
+    start_all_to_all,
     start_reduce_scatter,
 )
 from lins_dtensor.compat import (
@@ -64,7 +65,8 @@ from lins_dtensor.compat import (
 )
 from lins_dtensor.errors import LinsCheckpointError, LinsUsageError
 from lins_dtensor.executor import Body, Chain, Executor, Request
-from lins_dtensor.layout import chunk_rows, chunk_start
+from lins_dtensor.formats import CommFormats
+from lins_dtensor.layout import ChunkLayout, chunk_rows, chunk_start
 from lins_dtensor.mesh import (
     GRAD_SHARD,
     OPTIM_REPLICA,
@@ -75,13 +77,16 @@ from lins_dtensor.mesh import (
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.schedule import (
     GRAD_SHARD_REDUCE_SCATTER,
+    LOSSY_CAPABLE,
     OPTIM_ALL_REDUCE,
     OPTIM_REDUCE_SCATTER,
     UPDATE_GATHER_GRAD,
     UPDATE_GATHER_OPTIM,
     CollectiveSpec,
+    Encoded,
     UnitGeometry,
     chain_buffer_bytes,
+    spec_format,
 )
 
 # Called with a unit's P-sharded gradient rows, the tensors they live in when the
@@ -140,6 +145,7 @@ class ShardContext:
     recorder: CommRecorder
     stream: CommStream
     executor: Executor
+    formats: CommFormats = CommFormats()  # the wire format of each kind of collective per link level
 
     def __post_init__(self) -> None:
         self.coords = {dim: self.mesh.coordinate(dim) for dim in self.mesh.device_mesh.mesh_dim_names}
@@ -150,6 +156,19 @@ class ShardContext:
 
     def empty(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype or self.reduce_dtype, device=self.device)
+
+    def encoded(self, spec: CollectiveSpec, layout: ChunkLayout) -> Encoded | None:
+        """How a collective of ``spec`` over ``layout`` runs in its lossy wire format, or
+        None when it runs exact (the format of its group's link level; no collective
+        for a group of one)."""
+        if not self.formats.lossy:
+            return None
+        size, nodes = self.recorder.describe(self.group(spec.mesh_dim))
+        fmt = spec_format(spec, self.formats, "inter" if nodes > 1 else "intra")
+        if size == 1 or not fmt.lossy:
+            return None
+        exact = self.param_dtype if spec.dtype == "param" else self.reduce_dtype
+        return Encoded.of(spec, fmt, size, layout, exact.itemsize)
 
 
 # ----- P backends ------------------------------------------------------------------------
@@ -442,9 +461,16 @@ class LinsUnit:
         self.slices = slices  # what of each parameter this rank's TP position holds
         self.geometry = UnitGeometry.build([s.shape for s in slices], ctx.plan, ctx.coords)
         g = self.geometry
+        # Lins' collectives that run in a lossy wire format, by spec name (None: exact).
+        self.encoded = {spec.name: ctx.encoded(spec, g.layout(spec.layout)) for spec in LOSSY_CAPABLE}
         self.buffer_bytes = chain_buffer_bytes(
-            g, param_bytes=ctx.param_dtype.itemsize, reduce_bytes=ctx.reduce_dtype.itemsize, master_bytes=ctx.master_dtype.itemsize
+            g, param_bytes=ctx.param_dtype.itemsize, reduce_bytes=ctx.reduce_dtype.itemsize, master_bytes=ctx.master_dtype.itemsize,
+            encoded=[e for e in self.encoded.values() if e is not None],
         )
+        # Error-feedback residuals (fp32) of the lossy gradient reductions, by spec name:
+        # what this rank's encoding lost, added to its next input. Persistent from the
+        # first use; zeroed after a step that raised (reset_feedback).
+        self.residuals: dict[str, list[torch.Tensor]] = {}
         self.grad_buffer = torch.zeros(g.grads.chunk_numel, dtype=ctx.reduce_dtype, device=ctx.device)
         # Masters (master_dtype) on the OS layout: one flat buffer (the update gather's input),
         # seen as DTensors (what checkpoints hold) and as plain local tensors (what the
@@ -489,7 +515,7 @@ class LinsUnit:
         first = not self.grad_state.g_has_data
         out = self.grad_buffer if first else ctx.empty(g.grads.chunk_numel)
         self.grad_state.g_has_data = True
-        yield _request(ctx, GRAD_SHARD_REDUCE_SCATTER, step, start_reduce_scatter, out, packed)
+        yield from self._reduce_scatter(GRAD_SHARD_REDUCE_SCATTER, step, out, packed)
         del packed
         if not first:
             self.grad_buffer.add_(out)
@@ -497,8 +523,9 @@ class LinsUnit:
             yield from self._reduction_body(step)
 
     def _reduction_dims(self) -> tuple[str, ...]:
-        sizes = ((OPTIM_SHARD, self.geometry.optim.k), (OPTIM_REPLICA, self.ctx.replicas))
-        return tuple(dim for dim, size in sizes if size > 1)
+        """The dims of the reduction's collectives, in order (an encoded all-reduce is two)."""
+        replica = (OPTIM_REPLICA,) * (1 if self.encoded[OPTIM_ALL_REDUCE.name] is None else 2)
+        return (OPTIM_SHARD,) * (self.geometry.optim.k > 1) + replica * (self.ctx.replicas > 1)
 
     def start_reduction(self) -> None:
         """The G buffer -> the OS layout, summed over the data-parallel ranks (asynchronously)."""
@@ -520,18 +547,94 @@ class LinsUnit:
         if g.optim.k > 1:
             packed = g.optim.pack(g_rows, ctx.empty(g.optim.total_numel))
             out = ctx.empty(g.optim.chunk_numel)
-            yield _request(ctx, OPTIM_REDUCE_SCATTER, step, start_reduce_scatter, out, packed)
+            yield from self._reduce_scatter(OPTIM_REDUCE_SCATTER, step, out, packed)
             del packed
         elif g.os_is_g_chunk and state.os_grad is None:
             out, out_is_g = self.grad_buffer, True
         else:
-            out = g.optim.pack(g_rows, ctx.empty(g.optim.chunk_numel))
+            # (zeros: an encoded all-reduce scales blocks by their largest value, padding included)
+            out = g.optim.pack(g_rows, (ctx.empty if self.encoded[OPTIM_ALL_REDUCE.name] is None else self._zeros)(g.optim.chunk_numel))
         if ctx.replicas > 1:
-            yield _request(ctx, OPTIM_ALL_REDUCE, step, start_all_reduce, out)
+            encoded = self.encoded[OPTIM_ALL_REDUCE.name]
+            if encoded is None:
+                yield _request(ctx, OPTIM_ALL_REDUCE, step, start_all_reduce, out)
+            else:
+                yield from self._encoded_all_reduce(encoded, step, out)
         if state.os_grad is None:
             state.os_grad, state.os_grad_is_g = out, out_is_g
         else:
             state.os_grad.add_(out)
+
+    # ----- collectives in a lossy wire format (schedule.Encoded) ------------------------------
+    def _zeros(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype or self.ctx.reduce_dtype, device=self.ctx.device)
+
+    def _residuals(self, encoded: Encoded) -> list[torch.Tensor]:
+        """This collective's error-feedback residuals (fp32, zero at first use)."""
+        name = encoded.spec.name
+        if name not in self.residuals:
+            self.residuals[name] = [self._zeros(n, torch.float32) for n in encoded.residual_numels]
+        return self.residuals[name]
+
+    def reset_feedback(self) -> None:
+        """Zero the error-feedback residuals: a step that raised may have folded part of
+        its gradient into them (the compensation of earlier steps is dropped with it)."""
+        for residuals in self.residuals.values():
+            for residual in residuals:
+                residual.zero_()
+
+    def _encode(self, encoded: Encoded, values: torch.Tensor, chunks: int, residual: torch.Tensor | None) -> torch.Tensor:
+        """``values`` (``chunks`` rows) in the wire format; with a residual, error feedback:
+        the residual is added first and then holds what the encoding lost."""
+        if residual is not None:
+            values = residual.add_(values)
+        sent = encoded.fmt.encode(values, chunks, self.ctx.empty(chunks * encoded.chunk_bytes, torch.uint8))
+        if residual is not None:
+            residual.sub_(encoded.fmt.decode(sent, chunks, encoded.chunk_numel).reshape(-1))
+        return sent
+
+    def _reduce_scatter(self, spec: CollectiveSpec, step: int, out: torch.Tensor, packed: torch.Tensor) -> Body:
+        """``out`` = this rank's chunk of ``packed`` summed over the group of ``spec``:
+        a reduce-scatter, or in a lossy format an all-to-all of the encoded chunks and a
+        sum of the decoded rows in fp32."""
+        encoded = self.encoded[spec.name]
+        if encoded is None:
+            yield _request(self.ctx, spec, step, start_reduce_scatter, out, packed)
+            return
+        residual = self._residuals(encoded)[0] if encoded.feedback else None
+        sent = self._encode(encoded, packed, encoded.chunks, residual)
+        received = torch.empty_like(sent)
+        yield _request(self.ctx, spec, step, start_all_to_all, received, sent, **_wire(encoded))
+        out.copy_(encoded.fmt.decode(received, encoded.chunks, encoded.chunk_numel).sum(dim=0))
+
+    def _encoded_all_reduce(self, encoded: Encoded, step: int, tensor: torch.Tensor) -> Body:
+        """``tensor`` summed over the group in a lossy format: each rank sums one slice
+        (all-to-all, fp32 sum), encodes its sum, and every rank, itself included, takes
+        the decoded sums of the all-gather, so that every replica holds the same values."""
+        ctx, fmt, chunks, numel = self.ctx, encoded.fmt, encoded.chunks, encoded.chunk_numel
+        spec = encoded.spec
+        residuals = self._residuals(encoded) if encoded.feedback else [None, None]
+        values = self._zeros(chunks * numel, torch.float32)
+        values[: tensor.numel()].copy_(tensor)
+        sent = self._encode(encoded, values, chunks, residuals[0])
+        received = torch.empty_like(sent)
+        yield _request(ctx, spec, step, start_all_to_all, received, sent, **_wire(encoded))
+        own = self._encode(encoded, fmt.decode(received, chunks, numel).sum(dim=0), 1, residuals[1])
+        gathered = ctx.empty(chunks * encoded.chunk_bytes, torch.uint8)
+        yield _request(ctx, spec, step, start_all_gather, gathered, own, **_wire(encoded))
+        tensor.copy_(fmt.decode(gathered, chunks, numel).reshape(-1)[: tensor.numel()])
+
+    def _gather(self, spec: CollectiveSpec, step: int, out: torch.Tensor, chunk: torch.Tensor) -> Body:
+        """All-gather every rank's ``chunk`` into ``out``; in a lossy format every rank,
+        the chunk's owner included, takes the decoded values."""
+        encoded = self.encoded[spec.name]
+        if encoded is None:
+            yield _request(self.ctx, spec, step, start_all_gather, out, chunk)
+            return
+        own = self._encode(encoded, chunk, 1, None)
+        gathered = self.ctx.empty(encoded.message_bytes, torch.uint8)
+        yield _request(self.ctx, spec, step, start_all_gather, gathered, own, **_wire(encoded))
+        out.view(encoded.chunks, -1).copy_(encoded.fmt.decode(gathered, encoded.chunks, encoded.chunk_numel))
 
     # ----- the step ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -585,16 +688,19 @@ class LinsUnit:
     def _update_body(self, step: int) -> Body:
         ctx, g = self.ctx, self.geometry
         dtype = ctx.param_dtype
-        src = self.master_flat if dtype == self.master_flat.dtype else self.master_flat.to(dtype)
+        lossy = self.encoded[UPDATE_GATHER_OPTIM.name] is not None, self.encoded[UPDATE_GATHER_GRAD.name] is not None
+        # A lossy gather encodes the masters themselves (no rounding to param_dtype first).
+        src = self.master_flat if dtype == self.master_flat.dtype or lossy[0] else self.master_flat.to(dtype)
         p_dests = self.backend.local_shards()
         if g.optim.k > 1:
             gathered = ctx.empty(g.optim.total_numel, dtype)
-            yield _request(ctx, UPDATE_GATHER_OPTIM, step, start_all_gather, gathered, src)
+            yield from self._gather(UPDATE_GATHER_OPTIM, step, gathered, src)
         if g.grads.k > 1:
             if g.os_is_g_chunk:
-                chunk = src
+                chunk = self.master_flat if lossy[1] else src
             else:
-                chunk = ctx.empty(g.grads.chunk_numel, dtype)
+                # (zeros: a lossy gather scales blocks by their largest value, padding included)
+                chunk = (self._zeros if lossy[1] else ctx.empty)(g.grads.chunk_numel, dtype)
                 dests = g.grads.views(chunk, g.grad_index)
                 if g.optim.k > 1:
                     g.optim.unpack_into(gathered, dests)
@@ -602,7 +708,7 @@ class LinsUnit:
                 else:
                     foreach_copy_(dests, g.optim.views(src, g.optim_index))
             full = ctx.empty(g.grads.total_numel, dtype)
-            yield _request(ctx, UPDATE_GATHER_GRAD, step, start_all_gather, full, chunk)
+            yield from self._gather(UPDATE_GATHER_GRAD, step, full, chunk)
             g.grads.unpack_into(full, p_dests)
         elif g.optim.k > 1:
             g.optim.unpack_into(gathered, p_dests)
@@ -698,14 +804,24 @@ class LinsUnit:
         return found
 
     def memory_bytes(self) -> dict[str, int]:
-        """Persistent bytes of this unit's P, G and masters (optimizer states apart)."""
+        """Persistent bytes of this unit's P, G and masters (optimizer states apart), and
+        its error-feedback residuals once made ("feedback")."""
         masters = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
-        return {"params": self.backend.memory_bytes(), "grads": self.grad_buffer.numel() * self.grad_buffer.element_size(), "optim": masters}
+        out = {"params": self.backend.memory_bytes(), "grads": self.grad_buffer.numel() * self.grad_buffer.element_size(), "optim": masters}
+        if self.residuals:
+            out["feedback"] = sum(r.numel() * r.element_size() for residuals in self.residuals.values() for r in residuals)
+        return out
 
 
-def _request(ctx: ShardContext, spec: CollectiveSpec, step: int, start: Callable[..., Flight], *tensors: torch.Tensor) -> Request:
+def _request(ctx: ShardContext, spec: CollectiveSpec, step: int, start: Callable[..., Flight], *tensors: torch.Tensor, **kwargs) -> Request:
     """A chain's request for one collective of ``spec``, on the mesh dim the spec names."""
-    return Request(spec.mesh_dim, lambda: start(ctx.recorder, ctx.stream, spec, *tensors, ctx.group(spec.mesh_dim), step))
+    return Request(spec.mesh_dim, lambda: start(ctx.recorder, ctx.stream, spec, *tensors, ctx.group(spec.mesh_dim), step, **kwargs))
+
+
+
+def _wire(encoded: Encoded) -> dict:
+    """How an encoded collective is recorded: its format, and the bytes it stands for."""
+    return {"fmt": encoded.fmt.name, "exact_bytes": encoded.exact_message_bytes}
 
 
 def _run_local(body: Body) -> None:

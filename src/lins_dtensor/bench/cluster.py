@@ -1,4 +1,5 @@
-"""Cluster benchmark: Lins (planner's plan and presets) vs FSDP2, HSDP, hpZ and DDP.
+"""Cluster benchmark: Lins (planner's plan and presets) vs FSDP2, HSDP, hpZ and DDP (plain,
+bf16 and PowerSGD communication hooks).
 
 Run under a launcher that sets RANK / WORLD_SIZE / LOCAL_WORLD_SIZE (torchrun), on
 gloo; ``scripts/bench_cluster.sh`` runs it on an emulated multi-node cluster (network
@@ -19,7 +20,7 @@ shared CPUs hits all strategies alike. It records:
   Lins by its own recorder (``lins_stats``); FSDP2 / HSDP / hpZ with the same
   recording comm objects installed through ``set_custom_all_gather`` /
   ``set_custom_reduce_scatter`` and HSDP's all-reduce through ``set_all_reduce_hook``;
-  DDP through a recording communication hook;
+  DDP (each of torch's hooks) through a recording process group given to the hook;
 * the planner's prediction for the same strategy (its cost model with the measured
   bandwidth table and a compute rate calibrated on this cluster at start-up).
 

@@ -102,6 +102,9 @@ class Built:
     # Work a step leaves in flight for the next one (Lins' update gathers, which the
     # next forward waits for): None, or a callable that waits for it (untimed).
     settle: Callable[[], None] | None = None
+    # The first step that runs as the strategy is measured (PowerSGD: the step it starts
+    # compressing at); the warm-up runs through it.
+    measured_from_step: int = 0
 
 
 class Instance:
@@ -160,7 +163,10 @@ class Instance:
         return float(elapsed.item())
 
     def warmup(self, microbatches: int, steps: int) -> None:
-        """Untimed steps, alone; they give the transient memory peak at this M."""
+        """Untimed steps, alone; they give the transient memory peak at this M. At least
+        through the strategy's ``measured_from_step``, so that its peak and the timed
+        steps are of the steady state."""
+        steps = max(steps, self.built.measured_from_step + 1 - self.step_count)
         _release_memory()
         dist.barrier()
         before = _status_kib("VmRSS")

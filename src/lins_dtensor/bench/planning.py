@@ -57,6 +57,15 @@ def calibrated_hardware(calib: dict, ranks_per_node: int) -> HardwareSpec:
     )
 
 
+def not_costed(eq: Equivalent) -> str | None:
+    """Why the planner has no prediction for ``eq`` (None: it has one): the strategy does
+    what its model lacks (PowerSGD), or sends in wire formats other than exact, which
+    it does not cost yet; a wrong number would enter the accuracy figures."""
+    if eq.not_costed is not None or eq.formats == "exact":
+        return eq.not_costed
+    return f"not costed: the planner does not cost wire formats yet ({eq.formats})"
+
+
 class Overlap(NamedTuple):
     """An overlap model of the planner: how much compute hides FSDP2's per-micro-batch
     collectives, and Lins' asynchronous ones (TrainingSpec's two fractions)."""
@@ -121,7 +130,11 @@ class Planning:
         }
 
     def predict(self, microbatches: int, eq: Equivalent) -> dict:
-        """The planner's prediction with the run's overlap model, plus the reference one's step time."""
+        """The planner's prediction with the run's overlap model, plus the reference one's
+        step time; for a strategy it cannot cost, no numbers (``step_s`` None) and why."""
+        reason = not_costed(eq)
+        if reason is not None:
+            return {"plan": eq.plan, "formats": eq.formats, "not_costed": reason, "step_s": None, "step_s_reference": None}
         out = self._predict(microbatches, eq, self.run_overlap)
         out["step_s_reference"] = self._predict(microbatches, eq, self.reference_overlap)["step_s"]
         return out
@@ -149,7 +162,7 @@ class Planning:
         step_s, exposed, comm = cost.step_s, cost.exposed_s, cost.comm_s
         inter_nic, intra = cost.link_bytes("inter"), cost.link_bytes("intra")
         return {
-            "plan": eq.plan, "step_s": step_s, "compute_s": cost.compute_s, "comm_s": comm, "exposed_s": exposed,
+            "plan": eq.plan, "formats": eq.formats, "step_s": step_s, "compute_s": cost.compute_s, "comm_s": comm, "exposed_s": exposed,
             "memory": cost.memory.gib(), "peak_bytes": cost.memory.peak,
             "state_bytes": {"params": cost.memory.params, "grads": cost.memory.grads, "optim": cost.memory.optim},
             "inter_nic_bytes": inter_nic, "intra_wire_bytes": intra,

@@ -19,6 +19,7 @@ import torch
 from lins_dtensor.bench.measure import Ranks, link_bytes, summarize_times
 from lins_dtensor.bench.model import MODEL_SIZES
 from lins_dtensor.bench.planning import GiB, Overlap, budget_label
+from lins_dtensor.bench.strategies import strategy_formats
 from lins_dtensor.planner import HardwareSpec, ModelSpec
 
 MiB = 1 << 20
@@ -41,7 +42,9 @@ METHODS = {
                          "after the optimizer step of the last warm-up step (timed steps do no accounting)",
     "bytes": "per rank, over the last step, counted when issued: Lins by its recorder (lins_stats); FSDP2/HSDP/hpZ by "
              "LinsAllGather/LinsReduceScatter via set_custom_all_gather/set_custom_reduce_scatter and HSDP's all-reduce "
-             "via set_all_reduce_hook; DDP by a recording comm hook. 'message' = collective message sizes on groups "
+             "via set_all_reduce_hook; DDP (plain, bf16 and PowerSGD hooks, torch's own) through a recording process "
+             "group the hook is given, which sees each all-reduce as sent (bf16; PowerSGD's P, Q and uncompressed 1-D "
+             "tensors). 'message' = collective message sizes on groups "
              "spanning nodes (inter) or inside a node (intra); 'NIC' = ring-algorithm bytes per rank through its "
              "node's link (planner.cost.network_bytes). Scalar gradient-norm all-reduces of torch's clip_grad_norm_ "
              "are not counted (8 bytes)",
@@ -50,13 +53,19 @@ METHODS = {
                  "compute Lins' asynchronous collectives hide behind, all calibrated at start-up; with the run's overlap "
                  "model (FSDP2 0: it blocks on its collectives on CPU; Lins as calibrated) and with a reference one (0.8 "
                  "for both, the planner's GPU default); other strategies are costed as the Lins plan with the same "
-                 "collectives, issued the way that strategy issues them",
+                 "collectives, issued the way that strategy issues them. Strategies the planner cannot cost have no "
+                 "prediction (predicted.not_costed says why: PowerSGD's compression is not in its model; bf16 wire "
+                 "formats are not costed yet): they have no prediction error or link floor, their fit is unknown (null), "
+                 "and they are left out of the rank correlation and mean |error|",
     "comm_time": "Lins rows: lins_stats(model).comm_time() after each timed step, per state the median over the "
                  "timed steps, mean over ranks: seconds of collective time the host waited for (exposed; FSDP2's collectives block, so all of theirs) and seconds that ran "
                  "while it computed (hidden), by state",
     "link_floor": "the step time if every collective hid behind compute: max(predicted compute, the node link's time for "
                   "the inter-node bytes of all its ranks at the link rate)",
-    "fits": "the planner's predicted peak per-rank memory for the strategy (model states + activations + buffers) <= budget",
+    "fits": "the planner's predicted peak per-rank memory for the strategy (model states + activations + buffers) <= budget; "
+            "null where the planner has no prediction (not counted as fitting in the comparisons)",
+    "formats": "the wire format of each state's collectives on each link level (inter-node, intra-node): 'exact' (fp32 "
+               "here), bf16 (DDP's bf16_compress_hook) or powersgd-r<rank> (DDP's powerSGD_hook)",
 }
 
 FSDP_FAMILY = ("fsdp2", "hsdp", "hsdp-deferred", "hpz")
@@ -100,7 +109,8 @@ def make_row(
     nbytes = link_bytes(measured["records"])
     peaks = [g["peak"] for g in per_rank if g["peak"] is not None]
     states = [sum(g["states"].values()) for g in per_rank if g["states"]]
-    fits = {budget_label(b): predicted["peak_bytes"] <= b * GiB for b in budgets_gib if b is not None}
+    costed = predicted["step_s"] is not None
+    fits = {budget_label(b): predicted["peak_bytes"] <= b * GiB if costed else None for b in budgets_gib if b is not None}
     fits["unlimited"] = True
     out = {
         "strategy": row.strategy,
@@ -122,8 +132,9 @@ def make_row(
         },
         "bytes_per_rank": nbytes,
         "comm_time_s": mean_comm_time([g["comm_time"] for g in per_rank]),
-        "link_floor_s": link_floor(predicted, nbytes, link_rate, ranks_per_node),
+        "link_floor_s": link_floor(predicted, nbytes, link_rate, ranks_per_node) if costed else None,
         "predicted": predicted,
+        "formats": strategy_formats(row.strategy),
         "fits": fits,
         "last_loss": measured["last_loss"],
     }
@@ -213,9 +224,12 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 
 def _accuracy(rows: list[dict], errors: bool = True) -> dict:
-    """Spearman rank correlation (and mean |error|) of both predictions against the medians."""
+    """Spearman rank correlation (and mean |error|) of both predictions against the
+    medians, over the rows the planner costed; the others are named."""
+    out: dict = {"not_costed": list(dict.fromkeys(r["strategy"] for r in rows if r["predicted"]["step_s"] is None))}
+    rows = [r for r in rows if r["predicted"]["step_s"] is not None]
     measured = [r["step_time_s"]["median"] for r in rows]
-    out: dict = {"n": len(rows)}
+    out["n"] = len(rows)
     for suffix in ("", "_reference"):
         out["spearman" + suffix] = spearman([r["predicted"]["step_s" + suffix] for r in rows], measured)
         if errors:
@@ -227,7 +241,8 @@ def assemble(meta: dict, rows: list[dict]) -> dict:
     for r in rows:
         measured = r["step_time_s"]["median"]
         for suffix in ("", "_reference"):
-            r["prediction_error" + suffix] = (r["predicted"]["step_s" + suffix] - measured) / measured
+            predicted = r["predicted"]["step_s" + suffix]
+            r["prediction_error" + suffix] = None if predicted is None else (predicted - measured) / measured
     ms = sorted({r["microbatches"] for r in rows})
     correlation, comparisons = {}, {}
     for m in ms:
@@ -326,6 +341,23 @@ def _floor(r: dict) -> str:
     return "-" if not f else f"{f['floor_s']:.2f}"
 
 
+def _predicted(r: dict, suffix: str) -> str:
+    step = r["predicted"]["step_s" + suffix]
+    return "not costed" if step is None else f"{step:.2f} ({r['prediction_error' + suffix]:+.0%})"
+
+
+def _fits(fits: bool | None) -> str:
+    return "unknown" if fits is None else "yes" if fits else "**does not fit**"
+
+
+def _formats(r: dict) -> str:
+    f = r["formats"]
+    if f == "exact":
+        return f
+    return "; ".join(f"{state} {fmt['inter']}" if fmt["inter"] == fmt["intra"] else f"{state} {fmt['inter']} / intra {fmt['intra']}"
+                     for state, fmt in f.items())
+
+
 def markdown(result: dict) -> str:
     meta = result["meta"]
     model = meta["model"]
@@ -353,20 +385,23 @@ def markdown(result: dict) -> str:
     ov = f"FSDP2 {meta['overlap_fraction']:g} / Lins {meta['lins_overlap_fraction']:.2f}"
     ref = f"{meta['reference_overlap_fraction']:g}"
     budget_cols = [k for k in result["strategies"][0]["fits"] if k != "unlimited"] if result["strategies"] else []
-    head = ("| M | strategy | plan | step s median [min, max] | link floor s | Lins comm exposed / hidden s | tokens/s | "
+    head = ("| M | strategy | plan | wire formats | step s median [min, max] | link floor s | Lins comm exposed / hidden s | tokens/s | "
             "peak RSS delta MiB (max rank) | model states MiB | inter-node MB/rank msg (NIC) | intra-node MB/rank msg | "
             f"predicted s, overlap {ov} (error) | predicted s, overlap {ref} (error) |" + "".join(f" fits {b} |" for b in budget_cols))
     lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["strategies"]:
         t, b, pm = r["step_time_s"], r["bytes_per_rank"], r["peak_memory"]
-        fits = "".join(f" {'yes' if r['fits'][k] else '**does not fit**'} |" for k in budget_cols)
+        fits = "".join(f" {_fits(r['fits'][k])} |" for k in budget_cols)
         lines.append(
-            f"| {r['microbatches']} | {r['label']} | {r['plan'] or '-'} | {t['median']:.3f} [{t['min']:.3f}, {t['max']:.3f}] | "
+            f"| {r['microbatches']} | {r['label']} | {r['plan'] or '-'} | {_formats(r)} | {t['median']:.3f} [{t['min']:.3f}, {t['max']:.3f}] | "
             f"{_floor(r)} | {_comm(r)} | {r['tokens_per_s']:.0f} | {_mib(pm['rss_delta_max_bytes'])} | "
             f"{_mib(pm['model_state_bytes_max'])} | {_mb(b['inter_message_bytes'])} ({_mb(b['inter_nic_bytes'])}) | "
-            f"{_mb(b['intra_message_bytes'])} | {r['predicted']['step_s']:.2f} ({r['prediction_error']:+.0%}) | "
-            f"{r['predicted']['step_s_reference']:.2f} ({r['prediction_error_reference']:+.0%}) |{fits}"
+            f"{_mb(b['intra_message_bytes'])} | {_predicted(r, '')} | {_predicted(r, '_reference')} |{fits}"
         )
+    not_costed = {r["strategy"]: r["predicted"]["not_costed"] for r in result["strategies"] if r["predicted"]["step_s"] is None}
+    if not_costed:
+        lines += ["", "Without a prediction (left out of the rank correlation and mean |error|; fit unknown):", ""]
+        lines += [f"- {strategy}: {reason}" for strategy, reason in not_costed.items()]
     lines += ["", "Rank correlation of predicted vs measured step time (Spearman, distinct measurements), "
               f"planner with overlap model {ov} (this run's) / {ref} (reference):", ""]
 
@@ -376,7 +411,8 @@ def markdown(result: dict) -> str:
     for k, v in result["rank_correlation"].items():
         extra = (f"; mean |error| {fmt(v['mean_abs_error'], True)} / {fmt(v['mean_abs_error_reference'], True)}"
                  if "mean_abs_error" in v else "")
-        lines.append(f"- {k}: rho = {fmt(v['spearman'])} / {fmt(v['spearman_reference'])} over {v['n']} strategies{extra}")
+        skipped = f"; not costed: {', '.join(v['not_costed'])}" if v["not_costed"] else ""
+        lines.append(f"- {k}: rho = {fmt(v['spearman'])} / {fmt(v['spearman_reference'])} over {v['n']} strategies{extra}{skipped}")
     lines += ["", "Comparisons:", ""]
     for m, comp in result["comparisons"].items():
         if "lins_fsdp_over_fsdp2" in comp:
@@ -416,14 +452,15 @@ def plot(result: dict, path: str) -> None:
         med = [r["step_time_s"]["median"] for r in sel]
         lo = [r["step_time_s"]["median"] - r["step_time_s"]["min"] for r in sel]
         hi = [r["step_time_s"]["max"] - r["step_time_s"]["median"] for r in sel]
-        pred = [r["predicted"]["step_s"] for r in sel]
-        pred0 = [r["predicted"]["step_s_reference"] for r in sel]
+        # Rows the planner did not cost get no bar.
+        pred, pred0 = ([math.nan if r["predicted"][k] is None else r["predicted"][k] for r in sel] for k in ("step_s", "step_s_reference"))
         ax.bar([x - 0.27 for x in xs], med, 0.27, yerr=[lo, hi], capsize=3, label="measured (median, min-max)")
         meta = result["meta"]
         ax.bar(list(xs), pred, 0.27, label=f"planner predicted (FSDP2 {meta['overlap_fraction']:g} / Lins {meta['lins_overlap_fraction']:.2f})")
         ax.bar([x + 0.27 for x in xs], pred0, 0.27, label=f"planner predicted (overlap {meta['reference_overlap_fraction']:g})")
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{r['strategy']}\n{r['plan'] or ''}" for r in sel], rotation=60, ha="right", fontsize=7)
+        ax.set_xticklabels([f"{r['strategy']}\n{r['plan'] or ('(not costed)' if r['predicted']['step_s'] is None else '')}" for r in sel],
+                           rotation=60, ha="right", fontsize=7)
         rho = result["rank_correlation"].get(f"M={m}", {}).get("spearman")
         ax.set_title(f"M = {m} micro-batches" + (f" (Spearman {rho:.2f})" if rho is not None else ""))
         ax.set_ylabel("step time (s)")

@@ -1,8 +1,9 @@
 """The strategies the benchmark compares, each built on the same model, and the Lins
 plan the planner costs each one as.
 
-Lins runs plans through ``apply_lins``; the torch runtimes (FSDP2, HSDP, hpZ, DDP) run
-with the same units and AdamW, their collectives recorded by the same
+Lins runs plans through ``apply_lins``; the torch runtimes (FSDP2, HSDP, hpZ, DDP with
+torch's communication hooks: plain all-reduce, bf16 compression, PowerSGD) run with the
+same units and AdamW, their collectives recorded by the same
 :class:`~lins_dtensor.collectives.CommRecorder` that Lins uses, so that their bytes
 per link are counted alike.
 """
@@ -17,6 +18,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    powerSGD_hook,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -41,7 +47,22 @@ from lins_dtensor.stats import memory_bytes
 
 MAX_NORM = 1.0  # gradient clipping, for every strategy
 
-STRATEGIES = ("lins-planner", "lins-fsdp", "lins-zero1", "lins-zero2", "fsdp2", "hsdp", "hsdp-deferred", "hpz", "ddp")
+# PowerSGD (torch's powerSGD_hook; docs/benchmark.md gives the reasons in full).
+# Rank 4: every matrix of the small model (256 x 256, 256 x 768, 2048 x 256) compresses
+# by 32x or more ((n + m) * 4 numbers instead of n * m; 43x over the whole model with
+# the 1-D weights sent as they are); 4 is the top of the range torch's PowerSGDState
+# docs give as typical (1-4), and 8 would halve the saving and add compression compute
+# for accuracy a few-step benchmark does not measure. Start at iteration 2, torch's
+# minimum with error feedback or warm start (DDP rebuilds its buckets after the first
+# iteration): the warm-up runs through the vanilla steps, so every timed step is
+# compressed (a training run would start at ~10 % of its steps, as torch advises).
+# Error feedback and warm start on: torch's defaults and its advice for accuracy.
+POWERSGD_RANK = 4
+POWERSGD_START_ITER = 2
+
+STRATEGIES = ("lins-planner", "lins-fsdp", "lins-zero1", "lins-zero2", "fsdp2", "hsdp", "hsdp-deferred", "hpz", "ddp",
+              "ddp-bf16-hook", "ddp-powersgd")
+DDP_STRATEGIES = ("ddp", "ddp-bf16-hook", "ddp-powersgd")
 DESCRIPTIONS = {
     "lins-planner": "Lins, the planner's plan",
     "lins-fsdp": "Lins, fsdp preset (FSDP-equivalent plan)",
@@ -52,7 +73,27 @@ DESCRIPTIONS = {
     "hsdp-deferred": "FSDP2 HSDP, all-reduce only on the last micro-batch (hand-tuned)",
     "hpz": "FSDP2, reshard_after_forward=<node size> (ZeRO++ hpZ)",
     "ddp": "torch DistributedDataParallel (no_sync on all but the last micro-batch)",
+    "ddp-bf16-hook": "DDP with torch's bf16_compress_hook (gradients all-reduced in bf16; no_sync as ddp)",
+    "ddp-powersgd": f"DDP with torch's powerSGD_hook (rank {POWERSGD_RANK} from step {POWERSGD_START_ITER}, error feedback, "
+                    "warm start; no_sync as ddp)",
 }
+
+
+def strategy_formats(strategy: str) -> dict | str:
+    """The wire format of each state's collectives on each link level, as the results
+    record it: "exact" (everything in its own dtype, fp32 here), or per state a dict of
+    link level ("inter", "intra") to format. DDP all-reduces over all ranks, so a hook's
+    format is on both levels."""
+    grads = {"ddp-bf16-hook": "bf16", "ddp-powersgd": f"powersgd-r{POWERSGD_RANK}"}.get(strategy)
+    return "exact" if grads is None else {"grads": {"inter": grads, "intra": grads}}
+
+
+def formats_text(formats: dict | str) -> str:
+    """:func:`strategy_formats` as text for the planner ("grads=bf16,grads:intra=bf16":
+    ``state=`` the format across nodes, ``state:intra=`` inside a node), or "exact"."""
+    if formats == "exact":
+        return formats
+    return ",".join(f"{state}={fmt['inter']},{state}:intra={fmt['intra']}" for state, fmt in formats.items())
 
 
 # ----- building ----------------------------------------------------------------------------------
@@ -71,6 +112,7 @@ def _torch_built(
     model: nn.Module,
     recorder: CommRecorder,
     microbatch_context: Callable[[int, int], contextlib.AbstractContextManager] | None = None,
+    measured_from_step: int = 0,
 ) -> Built:
     """A torch-native strategy (FSDP2 family, DDP): AdamW and torch's clipping over the
     parameters of ``model``, trained through ``trained`` (the model or its wrapper)."""
@@ -83,6 +125,7 @@ def _torch_built(
         end_step=recorder.end_step,
         state_bytes=lambda: _torch_state_bytes(model, opt),
         microbatch_context=microbatch_context,
+        measured_from_step=measured_from_step,
     )
 
 
@@ -97,8 +140,8 @@ class Strategies:
         """What builds the instance ``key``: a Lins plan, or one of torch's runtimes."""
         if plan is not None:
             return functools.partial(self.lins, plan)
-        if key == "ddp":
-            return self.ddp
+        if key in DDP_STRATEGIES:
+            return functools.partial(self.ddp, key)
         return functools.partial(self.fsdp2, key)
 
     def lins_mesh(self, plan: LinsPlan) -> LinsMesh:
@@ -171,25 +214,59 @@ class Strategies:
         return _torch_built(model, model, recorder, context)
 
     # ----- DDP ----------------------------------------------------------------------------------
-    def ddp(self) -> Built:
+    def ddp(self, kind: str) -> Built:
+        """DDP with torch's communication hook for ``kind``, called as torch ships it, on a
+        :class:`RecordingGroup` that records every all-reduce the hook issues."""
         model = build_model(self.model_size)
         recorder = CommRecorder(self.rpn)
-
-        # No annotations: DDP checks a hook's, and under postponed evaluation they are strings.
-        def hook(state, bucket):
-            buf = bucket.buffer()
-            recorder.record(OPTIM_ALL_REDUCE, None, buf)
-            buf.div_(self.world)
-            fut = dist.all_reduce(buf, async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
-
+        group = RecordingGroup(dist.group.WORLD, recorder)
         ddp = nn.parallel.DistributedDataParallel(model)
-        ddp.register_comm_hook(None, hook)
+        measured_from_step = 0
+        if kind == "ddp":
+            ddp.register_comm_hook(group, default_hooks.allreduce_hook)
+        elif kind == "ddp-bf16-hook":
+            ddp.register_comm_hook(group, bf16_hook)
+        else:
+            state = PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
+                                  start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True, warm_start=True)
+            ddp.register_comm_hook(state, powerSGD_hook)
+            measured_from_step = POWERSGD_START_ITER
 
         def context(mb: int, m_total: int) -> contextlib.AbstractContextManager:
             return ddp.no_sync() if mb < m_total - 1 else contextlib.nullcontext()
 
-        return _torch_built(ddp, model, recorder, context)
+        return _torch_built(ddp, model, recorder, context, measured_from_step)
+
+
+class RecordingGroup:
+    """The process group a DDP communication hook is given: it records each all-reduce
+    the hook issues through it, then issues it on ``group``.
+
+    torch's hooks call ``dist.all_reduce(tensor, group=<this>)``, which calls
+    ``group.allreduce``; they also ask the group's ``size()``. Recording here sees the
+    messages as sent (bf16, PowerSGD's P and Q and its uncompressed 1-D tensors), also
+    those PowerSGD issues from its future callbacks on gloo's threads, all before DDP's
+    backward returns (it waits for every bucket's future)."""
+
+    def __init__(self, group: dist.ProcessGroup, recorder: CommRecorder) -> None:
+        self.group, self.recorder = group, recorder
+
+    def size(self) -> int:
+        return self.group.size()
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work:
+        for t in tensors:
+            self.recorder.record(OPTIM_ALL_REDUCE, self.group, t)
+        return self.group.allreduce(tensors, opts)
+
+
+# No annotations: DDP checks a hook's, and under postponed evaluation they are strings.
+def bf16_hook(state, bucket):
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name unless
+    CUDA with NCCL 2.10+ (or XPU with XCCL) is present, though gloo all-reduces bf16 on
+    CPU ("BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+ or XPU and
+    XCCL" on a CPU-only torch)."""
+    return default_hooks.bf16_compress_hook(state, bucket)
 
 
 # ----- what the planner costs each strategy as ------------------------------------------------------
@@ -202,6 +279,16 @@ class Equivalent(NamedTuple):
     fsdp_hooks: bool  # runs FSDP2's or Lins' per-unit hooks and copies (calibrated host time, local_copy_bytes)
     note: str
     fsdp2_reductions: bool = False  # the step reductions are FSDP2's (blocking on CPU), not Lins' chains
+    # The wire formats the planner is to cost the plan with (:func:`formats_text`): "exact",
+    # or e.g. "grads=bf16,grads:intra=bf16".
+    formats: str = "exact"
+    # Why the planner cannot cost this strategy at all (its model lacks what the
+    # strategy does); None: it can.
+    not_costed: str | None = None
+
+
+DDP_NOTE = ("Lins ddp without per-unit host time and copies (one all-reduce per step, overlapped with the last "
+            "backward as DDP's buckets are)")
 
 
 def equivalent_plan(strategy: str, rpn: int, plan: str | None = None) -> Equivalent:
@@ -214,8 +301,13 @@ def equivalent_plan(strategy: str, rpn: int, plan: str | None = None) -> Equival
         "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, on every micro-batch", True),
         "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, last micro-batch only", True),
         "hpz": Equivalent(f"hpz:{rpn}", False, True, f"costed as hpz:{rpn}"),
-        "ddp": Equivalent("ddp", False, False, "costed as Lins ddp without per-unit host time and copies (one all-reduce per "
-                          "step, overlapped with the last backward as DDP's buckets are)"),
+        "ddp": Equivalent("ddp", False, False, "costed as " + DDP_NOTE),
+        "ddp-bf16-hook": Equivalent("ddp", False, False, DDP_NOTE + ", its gradients all-reduced in bf16",
+                                    formats=formats_text(strategy_formats("ddp-bf16-hook"))),
+        "ddp-powersgd": Equivalent("ddp", False, False, DDP_NOTE + f", its gradients sent as PowerSGD's rank-{POWERSGD_RANK} "
+                                   "P and Q (1-D weights as they are)",
+                                   formats=formats_text(strategy_formats("ddp-powersgd")),
+                                   not_costed="not costed: PowerSGD's low-rank compression (and its compute) is not in the planner's model"),
         "lins-fsdp": Equivalent("fsdp", False, True, ""),
         "lins-zero1": Equivalent("zero1", False, True, ""),
         "lins-zero2": Equivalent("zero2", False, True, ""),
