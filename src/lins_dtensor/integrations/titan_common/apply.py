@@ -52,18 +52,16 @@ def shard(model: nn.Module, job: TitanJob, resolved: Resolved, mesh: LinsMesh) -
     # torchtitan's loss is (local token-loss sum) / (global token count), so the
     # gradients must be *summed* over the data-parallel ranks, as torchtitan's FSDP does
     # (gradient_divide_factor 1.0).
-    # Wire formats: passed only when not "exact", so this runs on an apply_lins that
-    # does not take comm_formats yet (issue 20). With plan = "auto" the planner also
-    # needs them, as the formats it may choose from: planning.choose() is where
-    # job.lins.comm_formats goes once the planner takes allowed formats.
-    formats = {} if job.lins.comm_formats.strip() == "exact" else {"comm_formats": job.lins.comm_formats}
+    # With plan = "auto", comm_formats is the set the planner may choose from (issue 20):
+    # planning.choose() is where job.lins.comm_formats goes once the planner takes
+    # allowed formats, and its choice (resolved) is what apply_lins gets here.
     apply_lins(
         model,
         mesh,
         resolved.plan,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         gradient_divide_factor=1.0,
-        **formats,
+        comm_formats=job.lins.comm_formats,
     )
     setattr(model, RESOLVED_ATTR, resolved)
     setattr(model, MAX_NORM_ATTR, job.max_norm)
