@@ -286,6 +286,17 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
         f"exact seeds' mean smoothed loss at step {first['steps']} (multiply by a benchmark's step time for "
         f"seconds). Median width of the smoothed band: {_fmt(a['width'])}.",
         "",
+        "## Reading it",
+        "",
+        "- The corpus' batches differ in difficulty far more than the runs differ from each other: the smoothed "
+        "loss is not monotonic, and where it dips below its final value time to loss is the first crossing of "
+        f"that dip (the exact seeds: steps {', '.join(str(r.ttl) for r in seeds)}). It compares runs fairly (the "
+        "same batches at the same steps), but a run a little worse can miss a dip and cross much later: read it "
+        "next to the gap.",
+        "- Step and wall times were measured on a 2-core machine shared with other work (4 ranks on 2 cores): "
+        "they show the runs finished, not what a format costs or saves; the benchmark's step times are for that.",
+        "- Each run's commit is the one it started at (a `+dirty` suffix: with uncommitted changes).",
+        "",
         "## Exact (fp32) seeds",
         "",
         f"| run | seed | final loss | mean last {LAST} | time to loss (step) | median step (s) | wall (s) | commit |",
