@@ -68,6 +68,7 @@ def shard(model: nn.Module, job: TitanJob, resolved: Resolved, mesh: LinsMesh) -
     setattr(model, REPORT_ATTR, report)
     logger.info(
         f"Applied Lins plan {resolved.plan} (tensor parallel {resolved.tp}) to the model: parameters in {param_dtype}, "
-        f"gradients reduced in {reduce_dtype}, optimizer on {lins_state(model).ctx.master_dtype} masters"
+        f"gradients reduced in {reduce_dtype}, optimizer on {lins_state(model).ctx.master_dtype} masters, "
+        f"wire formats {job.lins.comm_formats}"
     )
     return model
