@@ -267,7 +267,9 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
         "fp32 parameters and reductions, no activation checkpointing, no checkpoints. The seed "
         "(`--debug.seed`) sets the initial weights; the batches are the same for every run. "
         f"Plan `{a['plan']}`: gradients reduced inside each node, then across the nodes to the optimizer's "
-        "4 shards; the updated parameters gathered back across the nodes.",
+        "4 shards; the updated parameters gathered back across the nodes. A run of another plan (`ddp`: one "
+        "all-reduce of the gradients over the 4 ranks, across the nodes) is compared with the same band: exact "
+        "training under either plan is the same sum in another order.",
         "",
         "## Rule",
         "",
