@@ -85,6 +85,9 @@ def test_analyse_and_report_on_synthetic_runs(tmp_path):
     # The band: the plan with the most exact seeds; an exact run of another plan is compared with it.
     assert [r.name for r in a["rows"] if r.in_band] == ["fp32-seed0", "fp32-seed1", "fp32-seed2"]
     assert not rows["ddp-fp32-seed0"].in_band and rows["ddp-fp32-seed0"].smooth_gap == 0.0
+    # What the format alone changes: the distance from the exact run of the same seed.
+    assert rows["ddp-fp32-seed0"].vs_seed == 0.0 and rows["grads-bf16"].vs_seed == pytest.approx(0.015625)
+    assert rows["grads-int8"].vs_seed == pytest.approx(0.5)
     assert rows["grads-bf16"].smooth_gap == 0.0 and rows["grads-bf16"].raw_gap == 0.0
     # Raw: 0.5 above the base from step 31 on, 0.4375 above the band. Smoothed over 10
     # steps: only at step 40 are the last 10 losses all 0.5 higher, again 0.4375 above.

@@ -197,6 +197,8 @@ class Row:
     smooth_gap: float
     smooth_gap_step: int | None
     ttl: int | None
+    vs_seed: float | None
+    """Largest |smoothed difference| from the exact band run of the same seed (None: none)."""
     median_step_s: float | None
     wall_s: float
     commit: str
@@ -228,14 +230,17 @@ def analyse(runs: list[dict]) -> dict:
     raw_lo, raw_hi = band(raw)
     lo, hi = band(sm)
     target = sum(c[-1] for c in sm) / len(sm)
+    by_seed = {r["seed"]: c for r, c in zip(seeds, sm)}
     rows = []
     for r in sorted(runs, key=lambda r: (r not in seeds, r["plan"], r["formats"] != "exact", r["formats"], r["seed"])):
         losses = r["losses"]
         s = smooth(losses)
         rg, rs = gap(losses, raw_lo, raw_hi)
         sg, ss = gap(s, lo, hi)
+        twin = by_seed.get(r["seed"])
+        vs_seed = None if twin is None else max(abs(x - y) for x, y in zip(s, twin, strict=True))
         rows.append(Row(r["name"], r["plan"], r["formats"], r["seed"], r in seeds, losses[-1],
-                        sum(losses[-LAST:]) / LAST, rg, rs, sg, ss, time_to_loss(s, target),
+                        sum(losses[-LAST:]) / LAST, rg, rs, sg, ss, time_to_loss(s, target), vs_seed,
                         _median([t for t in r["step_times_s"] if t is not None]), r["wall_s"], r["commit"]))
     return {"plan": seeds[0]["plan"], "lo": lo, "hi": hi, "raw_lo": raw_lo, "raw_hi": raw_hi, "target": target,
             "mean": [sum(xs) / len(xs) for xs in zip(*sm)], "tolerance": leave_one_out_gap(sm),
@@ -277,6 +282,8 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
         f"`{a['plan']}`). The decisive curves are **smoothed** by a trailing mean over {WINDOW} steps (fewer "
         "for the first steps); the raw per-step band is reported too.",
         "- **Gap**: the largest distance by which a run's curve leaves the band, over all steps (0 inside).",
+        "- **From its seed**: the largest distance, smoothed, from the exact run of the same seed (same initial "
+        "weights, same batches): what the format alone changes.",
         f"- **Tolerance**: {_fmt(a['tolerance'])} (smoothed; raw {_fmt(a['raw_tolerance'])}), the largest "
         "gap of one exact seed against the band of the other exact seeds. A band of few seeds is narrow, "
         "and a compressed run started from seed 0 sits next to seed 0, an edge of the band wherever seed 0 is "
@@ -313,15 +320,15 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
     else:
         lines += [
             f"| run | plan | formats | seed | final loss | mean last {LAST} | gap, smoothed (step) | "
-            "gap, raw (step) | time to loss (step) | inside | median step (s) | wall (s) | commit |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "gap, raw (step) | from its seed | time to loss (step) | inside | median step (s) | wall (s) | commit |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in others:
             inside = "yes" if r.smooth_gap <= a["tolerance"] else "**no**"
             lines.append(
                 f"| {r.name} | `{r.plan}` | `{r.formats}` | {r.seed} | {_fmt(r.final)} | {_fmt(r.final_mean)} | "
                 f"{_fmt(r.smooth_gap)} ({r.smooth_gap_step or '-'}) | {_fmt(r.raw_gap)} ({r.raw_gap_step or '-'}) | "
-                f"{r.ttl or 'not reached'} | {inside} | {r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
+                f"{'-' if r.vs_seed is None else _fmt(r.vs_seed)} | {r.ttl or 'not reached'} | {inside} | {r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
     lines += ["", f"![loss curves and band]({plot})", "",
               "Top: smoothed losses and the exact seeds' band. Bottom: each run's smoothed loss minus the exact "
               "seeds' mean, with the band around it.", "", "## Runs", ""]
