@@ -7,7 +7,14 @@ import math
 import pytest
 
 from lins_dtensor.bench.convergence import (
-    analyse, band, gap, leave_one_out_gap, parse_log, report, smooth, time_to_loss,
+    analyse,
+    band,
+    gap,
+    leave_one_out_gap,
+    parse_log,
+    report,
+    smooth,
+    time_to_loss,
 )
 
 SEEDS = [[5.0, 4.0, 3.0, 2.0], [5.2, 4.1, 3.2, 2.2], [4.9, 3.9, 2.9, 1.9]]
@@ -79,14 +86,17 @@ def test_analyse_and_report_on_synthetic_runs(tmp_path):
     outside = [x + (0.5 if i >= 30 else 0.0) for i, x in enumerate(base)]
     runs = [_run(f"fp32-seed{s}", "exact", s, c) for s, c in enumerate(seeds)]
     runs += [_run("grads-bf16", "grads=bf16", 0, inside), _run("grads-int8", "grads=int8", 0, outside),
-             _run("ddp-fp32-seed0", "exact", 0, seeds[0], plan="ddp")]
+             _run("ddp-fp32-seed0", "exact", 0, [x + 0.0078125 for x in seeds[0]], plan="ddp"),
+             _run("ddp-grads-int8", "grads=int8", 0, [x + 0.03125 for x in seeds[0]], plan="ddp")]
     a = analyse(runs)
     rows = {r.name: r for r in a["rows"]}
     # The band: the plan with the most exact seeds; an exact run of another plan is compared with it.
     assert [r.name for r in a["rows"] if r.in_band] == ["fp32-seed0", "fp32-seed1", "fp32-seed2"]
     assert not rows["ddp-fp32-seed0"].in_band and rows["ddp-fp32-seed0"].smooth_gap == 0.0
     # What the format alone changes: the distance from the exact run of the same seed.
-    assert rows["ddp-fp32-seed0"].vs_seed == 0.0 and rows["grads-bf16"].vs_seed == pytest.approx(0.015625)
+    assert rows["ddp-fp32-seed0"].vs_seed == pytest.approx(0.0078125)  # from the band's seed 0
+    assert rows["ddp-grads-int8"].vs_seed == pytest.approx(0.0234375)  # from the exact ddp run of seed 0
+    assert rows["grads-bf16"].vs_seed == pytest.approx(0.015625)
     assert rows["grads-int8"].vs_seed == pytest.approx(0.5)
     assert rows["grads-bf16"].smooth_gap == 0.0 and rows["grads-bf16"].raw_gap == 0.0
     # Raw: 0.5 above the base from step 31 on, 0.4375 above the band. Smoothed over 10

@@ -33,11 +33,12 @@ import shlex
 import subprocess
 import sys
 import time
-import tomllib
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path.cwd()
 """The repository root: run from there (scripts/convergence.sh does)."""
@@ -133,9 +134,10 @@ def _arg(extra: list[str], key: str) -> str | None:
 
 
 def _commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=False).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
+                           capture_output=True, text=True, check=False).stdout.strip()
     return head + ("+dirty" if dirty else "")
 
 
@@ -150,7 +152,8 @@ def run(name: str, seed: int, extra: list[str], config: str = CONFIG, nproc: int
     started, commit = datetime.now(timezone.utc), _commit()
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              check=False)
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         raise SystemExit(f"convergence: {name} failed (exit {proc.returncode}); see {log_path}")
@@ -198,7 +201,8 @@ class Row:
     smooth_gap_step: int | None
     ttl: int | None
     vs_seed: float | None
-    """Largest |smoothed difference| from the exact band run of the same seed (None: none)."""
+    """Largest |smoothed difference| from the exact run of the same seed, of the same plan
+    if there is one, else the band's (None: none)."""
     median_step_s: float | None
     wall_s: float
     commit: str
@@ -231,6 +235,7 @@ def analyse(runs: list[dict]) -> dict:
     lo, hi = band(sm)
     target = sum(c[-1] for c in sm) / len(sm)
     by_seed = {r["seed"]: c for r, c in zip(seeds, sm)}
+    exact = {(r["plan"], r["seed"]): smooth(r["losses"]) for r in runs if r["formats"] == "exact"}
     rows = []
     for r in sorted(runs, key=lambda r: (r not in seeds, r["plan"], r["formats"] != "exact", r["formats"], r["seed"])):
         losses = r["losses"]
@@ -238,6 +243,8 @@ def analyse(runs: list[dict]) -> dict:
         rg, rs = gap(losses, raw_lo, raw_hi)
         sg, ss = gap(s, lo, hi)
         twin = by_seed.get(r["seed"])
+        if r["formats"] != "exact":
+            twin = exact.get((r["plan"], r["seed"]), twin)
         vs_seed = None if twin is None else max(abs(x - y) for x, y in zip(s, twin, strict=True))
         rows.append(Row(r["name"], r["plan"], r["formats"], r["seed"], r in seeds, losses[-1],
                         sum(losses[-LAST:]) / LAST, rg, rs, sg, ss, time_to_loss(s, target), vs_seed,
@@ -283,7 +290,7 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
         "for the first steps); the raw per-step band is reported too.",
         "- **Gap**: the largest distance by which a run's curve leaves the band, over all steps (0 inside).",
         "- **From its seed**: the largest distance, smoothed, from the exact run of the same seed (same initial "
-        "weights, same batches): what the format alone changes.",
+        "weights, same batches), of the same plan where there is one: what the format alone changes.",
         f"- **Tolerance**: {_fmt(a['tolerance'])} (smoothed; raw {_fmt(a['raw_tolerance'])}), the largest "
         "gap of one exact seed against the band of the other exact seeds. A band of few seeds is narrow, "
         "and a compressed run started from seed 0 sits next to seed 0, an edge of the band wherever seed 0 is "
