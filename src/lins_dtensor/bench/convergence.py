@@ -236,7 +236,7 @@ def analyse(runs: list[dict]) -> dict:
     target = sum(c[-1] for c in sm) / len(sm)
     by_seed = {r["seed"]: c for r, c in zip(seeds, sm)}
     exact = {(r["plan"], r["seed"]): smooth(r["losses"]) for r in runs if r["formats"] == "exact"}
-    rows = []
+    rows, twins = [], {}
     for r in sorted(runs, key=lambda r: (r not in seeds, r["plan"], r["formats"] != "exact", r["formats"], r["seed"])):
         losses = r["losses"]
         s = smooth(losses)
@@ -246,16 +246,18 @@ def analyse(runs: list[dict]) -> dict:
         if r["formats"] != "exact":
             twin = exact.get((r["plan"], r["seed"]), twin)
         vs_seed = None if twin is None else max(abs(x - y) for x, y in zip(s, twin, strict=True))
+        if twin is not None and r not in seeds:
+            twins[r["name"]] = twin
         rows.append(Row(r["name"], r["plan"], r["formats"], r["seed"], r in seeds, losses[-1],
                         sum(losses[-LAST:]) / LAST, rg, rs, sg, ss, time_to_loss(s, target), vs_seed,
                         _median([t for t in r["step_times_s"] if t is not None]), r["wall_s"], r["commit"]))
     return {"plan": seeds[0]["plan"], "lo": lo, "hi": hi, "raw_lo": raw_lo, "raw_hi": raw_hi, "target": target,
             "mean": [sum(xs) / len(xs) for xs in zip(*sm)], "tolerance": leave_one_out_gap(sm),
-            "raw_tolerance": leave_one_out_gap(raw), "rows": rows, "width": _median([b - a for a, b in zip(lo, hi)])}
+            "raw_tolerance": leave_one_out_gap(raw), "rows": rows, "twins": twins, "width": _median([b - a for a, b in zip(lo, hi)])}
 
 
-def _fmt(x: float) -> str:
-    return "inf (nan loss)" if math.isinf(x) else f"{x:.4f}"
+def _fmt(x: float, digits: int = 4) -> str:
+    return "inf (nan loss)" if math.isinf(x) else f"{x:.{digits}f}"
 
 
 def markdown(runs: list[dict], a: dict, plot: str) -> str:
@@ -334,14 +336,16 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
             inside = "yes" if r.smooth_gap <= a["tolerance"] else "**no**"
             lines.append(
                 f"| {r.name} | `{r.plan}` | `{r.formats}` | {r.seed} | {_fmt(r.final)} | {_fmt(r.final_mean)} | "
-                f"{_fmt(r.smooth_gap)} ({r.smooth_gap_step or '-'}) | {_fmt(r.raw_gap)} ({r.raw_gap_step or '-'}) | "
-                f"{'-' if r.vs_seed is None else _fmt(r.vs_seed)} | {r.ttl or 'not reached'} | {inside} | {r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
+                f"{_fmt(r.smooth_gap, 5)} ({r.smooth_gap_step or '-'}) | {_fmt(r.raw_gap, 5)} ({r.raw_gap_step or '-'}) | "
+                f"{'-' if r.vs_seed is None else _fmt(r.vs_seed, 5)} | {r.ttl or 'not reached'} | {inside} | {r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
     lines += ["", f"![loss curves and band]({plot})", "",
-              "Top: smoothed losses and the exact seeds' band. Bottom: each run's smoothed loss minus the exact "
-              "seeds' mean, with the band around it.", "", "## Runs", ""]
+              "Top: smoothed losses and the exact seeds' band. Middle: each run's smoothed loss minus the exact "
+              "seeds' mean, with the band around it. Bottom: each run minus the exact run of its seed (of its plan "
+              "where there is one), the 'from its seed' column, on its own scale.", "", "## Runs", ""]
     for r in runs:
+        note = f" Note: {r['note']}" if "note" in r else ""
         lines.append(f"- `{r['name']}` ({r['started_utc']} UTC, {r['wall_s']:.0f} s, commit {r['commit']}): "
-                     f"`{r['command']}`")
+                     f"`{r['command']}`{note}")
     return "\n".join(lines) + "\n"
 
 
@@ -354,7 +358,7 @@ def plot(runs: list[dict], a: dict, path: Path) -> None:
 
     mean = a["mean"]
     steps = list(range(1, len(mean) + 1))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=[3, 2])
+    fig, (top, bottom, paired) = plt.subplots(3, 1, figsize=(9, 10), sharex=True, height_ratios=[3, 2, 2])
     top.fill_between(steps, a["lo"], a["hi"], color="0.8", label="exact seeds' band")
     bottom.fill_between(steps, [x - m for x, m in zip(a["lo"], mean)], [x - m for x, m in zip(a["hi"], mean)],
                         color="0.8")
@@ -368,12 +372,16 @@ def plot(runs: list[dict], a: dict, path: Path) -> None:
             style, label = {"lw": 1.3}, f"{plan}{r['formats']} (seed {r['seed']})"
         top.plot(steps, s, label=label, **style)
         bottom.plot(steps, [x - m for x, m in zip(s, mean)], **style)
+        if r["name"] in a["twins"]:
+            paired.plot(steps, [x - y for x, y in zip(s, a["twins"][r["name"]])], label=label, **style)
     top.set_ylabel(f"loss (trailing mean of {WINDOW})")
     top.set_title(f"Debug LLaMA, 4 CPU ranks (2 nodes x 2), plan {a['plan']}")
     top.legend(fontsize=8)
     bottom.axhline(0, color="k", lw=0.5)
     bottom.set_ylabel("minus exact mean")
-    bottom.set_xlabel("step")
+    paired.axhline(0, color="k", lw=0.5)
+    paired.set_ylabel("minus exact, same seed")
+    paired.set_xlabel("step")
     lim = max(abs(x - m) for c in [a["lo"], a["hi"]] for x, m in zip(c[WINDOW:], mean[WINDOW:]))
     bottom.set_ylim(-4 * lim, 4 * lim)
     fig.tight_layout()
