@@ -139,9 +139,11 @@ def test_bench_cluster_refuses_without_root(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "root" in proc.stderr, proc.stderr
 
 
-def _row(strategy: str, median: float, fits_budget: bool, plan: str | None = None, chosen_for: list | None = None) -> dict:
-    row = {"strategy": strategy, "label": strategy if chosen_for is None else f"Lins planner [{', '.join(chosen_for)}]",
-           "plan": plan, "step_time_s": {"median": median}, "fits": {"1 GiB": fits_budget, "unlimited": True}}
+def _row(strategy: str, median: float, fits_budget: bool, plan: str | None = None, chosen_for: list | None = None,
+         formats: dict | str = "exact", microbatches: int = 1) -> dict:
+    row = {"strategy": strategy, "label": strategy if chosen_for is None else f"{strategy} [{', '.join(chosen_for)}]",
+           "plan": plan, "step_time_s": {"median": median}, "fits": {"1 GiB": fits_budget, "unlimited": True}, "formats": formats,
+           "microbatches": microbatches}
     if chosen_for is not None:
         row["chosen_for"] = chosen_for
     return row
@@ -166,17 +168,49 @@ def test_targets_compare_against_every_strategy_that_fits_the_plans_budget():
     ]
     out = compare(rows)
     assert out["lins_fsdp_over_fsdp2"] == pytest.approx(8.1 / 8.0) and out["lins_fsdp_within_3pct"]
-    budgeted = out["Lins planner [1 GiB]"]
+    budgeted = out["lins-planner [1 GiB]"]
     assert budgeted["budget"] == "1 GiB" and budgeted["fastest_other_same_memory"] == "lins-zero1 (p=1,g=1,os=8)"
-    assert budgeted["same_plan_as"] == ["lins-zero2"] and "same_plan_as" not in out["Lins planner [unlimited]"]
+    assert budgeted["same_plan_as"] == ["lins-zero2"] and "same_plan_as" not in out["lins-planner [unlimited]"]
     assert budgeted["speedup_vs_fastest_other_same_memory"] == pytest.approx(1.1) and not budgeted["target_1.15x_met"]
     assert budgeted["best_variant_same_memory"] == "hpz" and budgeted["speedup_vs_best_variant_same_memory"] == pytest.approx(2.0)
     assert budgeted["speedup_vs_fsdp2"] == pytest.approx(4.0)
-    unlimited = out["Lins planner [unlimited]"]
+    unlimited = out["lins-planner [unlimited]"]
     assert unlimited["budget"] == "unlimited" and unlimited["fastest_other_same_memory"] == "ddp (-)"
     assert unlimited["speedup_vs_fastest_other_same_memory"] == pytest.approx(1.1) and not unlimited["target_1.15x_met"]
     rows[-1]["step_time_s"]["median"] = 1.2
-    assert compare(rows)["Lins planner [unlimited]"]["target_1.15x_met"]
+    assert compare(rows)["lins-planner [unlimited]"]["target_1.15x_met"]
+    # A lossy row is no exact strategy: it does not count against the exact planner.
+    rows.append(_row("ddp-bf16-hook", 0.5, False, formats={"grads": {"inter": "bf16", "intra": "bf16"}}))
+    assert compare(rows)["lins-planner [unlimited]"]["fastest_other_same_memory"] == "ddp (-)"
+
+
+@pytest.mark.parametrize("m, target", [(1, 1.4), (4, 1.2)])
+def test_compressed_picks_compare_against_the_fastest_exact_strategy_and_ddp_with_the_bf16_hook(m, target):
+    """The planner's pick with lossy formats allowed against every exact strategy that
+    fits its budget, Lins' own exact pick included (1.4x at M=1, 1.2x at more), and
+    against DDP with its bf16 hook where that fits (1.15x); other lossy rows do not count."""
+    from lins_dtensor.bench.report import compare
+
+    int8 = {"grads": {"inter": "int8", "intra": "exact"}, "params": {"inter": "exact", "intra": "exact"}}
+    bf16 = {"grads": {"inter": "bf16", "intra": "bf16"}}
+    rows = [
+        _row("lins-planner-compressed", 1.0, False, "p=1,g=4,os=4", ["unlimited"], int8, m),
+        _row("lins-planner-compressed", 2.0, True, "p=1,g=8,os=8", ["1 GiB"], int8, m),
+        _row("lins-bf16", 0.9, False, "p=1,g=4,os=4", ["unlimited"], bf16, m),
+        _row("lins-planner", 1.3, False, "p=1,g=4,os=4", ["unlimited"], microbatches=m),
+        _row("lins-zero2", 2.9, True, "p=1,g=8,os=8", microbatches=m),
+        _row("ddp", 1.6, False, microbatches=m),
+        _row("ddp-bf16-hook", 1.2, False, formats=bf16, microbatches=m),
+    ]
+    out = compare(rows)
+    unlimited = out["lins-planner-compressed [unlimited]"]
+    assert unlimited["fastest_exact_same_memory"] == "lins-planner (p=1,g=4,os=4)" and unlimited["formats"] == int8
+    assert unlimited["speedup_vs_fastest_exact_same_memory"] == pytest.approx(1.3) and unlimited[f"target_{target}x_met"] == (1.3 >= target)
+    assert unlimited["speedup_vs_ddp_bf16_hook"] == pytest.approx(1.2) and unlimited["target_1.15x_vs_ddp_bf16_hook_met"]
+    budgeted = out["lins-planner-compressed [1 GiB]"]
+    assert budgeted["fastest_exact_same_memory"] == "lins-zero2 (p=1,g=8,os=8)" and "speedup_vs_ddp_bf16_hook" not in budgeted
+    assert budgeted["speedup_vs_fastest_exact_same_memory"] == pytest.approx(1.45) and budgeted[f"target_{target}x_met"]
+    assert out["lins-bf16 [unlimited]"]["speedup_vs_fastest_exact_same_memory"] == pytest.approx(1.3 / 0.9)
 
 
 def test_link_floor_is_the_larger_of_compute_and_link_time():

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lins_dtensor import LinsPlan
 from lins_dtensor.bench.measure import Ranks
-from lins_dtensor.bench.strategies import Equivalent
+from lins_dtensor.bench.strategies import FORMAT_STRATEGIES, PLANNER_STRATEGIES, Equivalent
 from lins_dtensor.planner import (
     BandwidthTable,
     ClusterSpec,
@@ -98,35 +98,42 @@ class Planning:
             overlap_fraction=overlap.fsdp, lins_overlap_fraction=overlap.lins,
         )
 
-    def choose_all(self, budgets_gib: Sequence[float | None], with_reference: bool) -> dict[tuple[int, str], dict]:
-        """The choice for every M of the run: under each budget with the run's overlap
-        model and, ``with_reference``, with no budget under the reference one; keyed
-        by (M, budget label)."""
+    def choose_all(self, budgets_gib: Sequence[float | None], with_reference: bool, strategies: Sequence[str]) -> dict[str, dict[tuple[int, str], dict]]:
+        """Per planner strategy (the exact "lins-planner" always, for the results' record;
+        those of :data:`FORMAT_STRATEGIES` asked for), the choice for every M of the run:
+        under each budget with the run's overlap model and, ``with_reference`` (exact
+        only), with no budget under the reference one; keyed by (M, budget label)."""
         choices = {}
-        for m in self.args.microbatches:
-            for b in budgets_gib:
-                choices[(m, budget_label(b))] = self.choose(m, b, self.run_overlap)
-            if with_reference:
-                choices[(m, reference_label(self.reference_overlap.fsdp))] = self.choose(m, None, self.reference_overlap)
+        for strategy in PLANNER_STRATEGIES:
+            if strategy != "lins-planner" and strategy not in strategies:
+                continue
+            allowed = FORMAT_STRATEGIES.get(strategy)
+            picks = {}
+            for m in self.args.microbatches:
+                for b in budgets_gib:
+                    picks[(m, budget_label(b))] = self.choose(m, b, self.run_overlap, allowed)
+                if with_reference and allowed is None:
+                    picks[(m, reference_label(self.reference_overlap.fsdp))] = self.choose(m, None, self.reference_overlap)
+            choices[strategy] = picks
         return choices
 
-    def choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap) -> dict:
+    def choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap, allowed_formats: str | None = None) -> dict:
         """Rank 0's choice, sent to every rank: each rank building a different plan from a
         near-tie would deadlock the first collective that only some of them issue."""
-        choice = [self._choose(microbatches, budget_gib, overlap) if self.ranks.rank == 0 else None]
+        choice = [self._choose(microbatches, budget_gib, overlap, allowed_formats) if self.ranks.rank == 0 else None]
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap) -> dict:
+    def _choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap, allowed_formats: str | None) -> dict:
         try:
-            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap))
+            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap), allowed_formats=allowed_formats)
         except PlannerError as exc:
             return {"plan": None, "error": exc.detail}
         return {
-            "plan": str(plan), "reason": ex.reason, "predicted_step_s": ex.cost.step_s,
+            "plan": str(plan), "formats": str(ex.cost.formats), "reason": ex.reason, "predicted_step_s": ex.cost.step_s,
             "predicted_peak_bytes": ex.cost.memory.peak, "valid_plans": len(ex.ranked) + len(ex.dropped),
             "dropped_for_memory": len(ex.dropped), "table_fallbacks": [list(s) for s in ex.table_fallbacks],
-            "top5": [{"plan": str(c.plan), "step_s": c.step_s} for c in ex.ranked[:5]],
+            "top5": [{"plan": str(c.plan), "formats": str(c.formats), "step_s": c.step_s} for c in ex.ranked[:5]],
         }
 
     def predict(self, microbatches: int, eq: Equivalent) -> dict:
