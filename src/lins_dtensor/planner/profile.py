@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lins_dtensor.compat import all_gather_single, reduce_scatter_single
+from lins_dtensor.formats import FORMATS
 from lins_dtensor.plan import valid_plans
 from lins_dtensor.planner.bandwidth import BandwidthTable, monotone
 from lins_dtensor.planner.compute import attention, gemm
@@ -210,6 +211,26 @@ def measure_kernels(shapes: KernelShapes, device: torch.device, dtype: torch.dty
             raise PlannerError(f"attention at sequence {seq}: forward + backward timed no slower than forward alone; rerun with more --iters")
         attentions.append(AttentionTiming(batch, shapes.heads, seq, shapes.head_dim, forward_s, both_s - forward_s))
     return gemms, attentions
+
+
+CODEC_VALUES = 1 << 22  # 4M values: each kernel a pass over a buffer far beyond the caches
+
+
+def measure_codec_rates(device: torch.device, numel: int = CODEC_VALUES, iters: int = 5) -> dict[str, float]:
+    """Seconds per value encoded or decoded by each lossy wire format's own kernels
+    (:mod:`lins_dtensor.formats`) on ``device``: fp32 values cut into one row, as
+    :func:`lins_dtensor.schedule.codec_values` counts values (each encode and each
+    decode of a value once), so the rate is the mean of the two passes."""
+    values = torch.randn(numel, device=device)
+    rates = {}
+    for name, fmt in FORMATS.items():
+        if not fmt.lossy:
+            continue
+        out = torch.empty(fmt.chunk_bytes(numel, 4), dtype=torch.uint8, device=device)
+        encode_s = _seconds(lambda: fmt.encode(values, 1, out), device, iters)
+        decode_s = _seconds(lambda: fmt.decode(out, 1, numel), device, iters)
+        rates[name] = (encode_s + decode_s) / (2 * numel)
+    return rates
 
 
 def _minimize(f: Callable[[float], float], lo: float, hi: float, points: int = 25, iters: int = 60) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lins_dtensor.planner.memory import GiB
 from lins_dtensor.planner.models import PlannerError
-from lins_dtensor.planner.report import FORMAT, baseline_records, plan_record, setting_record, setting_text, split_text
+from lins_dtensor.planner.report import FORMAT, baseline_records, plan_record, plan_text, setting_record, setting_text, split_text
 from lins_dtensor.planner.search import Baseline, Explanation, fastest_fitting_baseline
 
 # --sweep KEY -> (the lins-plan option it sets, unit, axis label)
@@ -97,7 +97,7 @@ def sweep_text(key: str, points: list[SweepPoint]) -> str:
         versus = "none fits" if best is None else f"{best.name} ({best.cost.step_s:.3f} s, {best.cost.step_s / cost.step_s:.2f}x)"  # type: ignore[union-attr]
         leaves = ("YES, hpZ" if _is_hpz(pt) else "YES") if pt.p_leaves_node else "no"
         lines.append(
-            f"  {_value(pt.value):>8}  {str(cost.plan):<26} {split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}%  {leaves:<14} {versus}"
+            f"  {_value(pt.value):>8}  {plan_text(cost):<26} {split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}%  {leaves:<14} {versus}"
         )
     names = [b.name for b in first.baselines]
     lines += ["", "Baselines, step s (OOM: does not fit; -: not expressible on this cluster):"]
