@@ -12,7 +12,7 @@ import json
 import sys
 import typing
 
-from lins_dtensor.errors import LinsError, LinsPlanError
+from lins_dtensor.errors import LinsConfigError, LinsError, LinsPlanError
 from lins_dtensor.formats import parse_allowed
 from lins_dtensor.planner.bandwidth import BandwidthTable
 from lins_dtensor.planner.calibrate import run_calibrate
@@ -186,8 +186,11 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def run_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
-    if args.allow_formats is not None:
-        parse_allowed(args.allow_formats)  # a malformed list fails before any work
+    if args.allow_formats is not None:  # a malformed list fails before any work
+        try:
+            parse_allowed(args.allow_formats)
+        except LinsConfigError as exc:
+            raise PlannerError(f"--allow-formats: {exc.detail}") from None
     if args.sweep:
         return run_sweep(args)
     if args.plot:
