@@ -254,7 +254,8 @@ def hardware_from_json(data: object, where: str = "hardware file") -> HardwareSp
     unknown = sorted(set(data) - set(fields) - {"format"})
     if unknown:
         raise PlannerError(f"{where}: unknown field '{unknown[0]}'")
-    missing = [name for name, f in fields.items() if f.default is dataclasses.MISSING and name not in data]
+    missing = [name for name, f in fields.items()
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in data]
     if missing:
         raise PlannerError(f"{where}: missing field '{missing[0]}'")
     kwargs: dict = {}
