@@ -17,6 +17,11 @@ runtime sends. Overlap follows who issues each collective (``CollectiveSpec.issu
   inside a node cannot hide (``intra_comm_hides``: the emulated CPU cluster, whose
   loopback copies run on the cores that compute), Lins' intra-node ones are exposed.
 
+Lins' collectives in a lossy wire format (``formats``, :mod:`lins_dtensor.formats`) are
+the encoded collectives ``step_collectives`` counts for them, classified by the spec
+they come from (a lossy all-reduce's all-gather half is a step reduction, not an update
+gather); their encode and decode work is compute of their phase.
+
 Compute is the model's kernels at the device's compute curve
 (:mod:`lins_dtensor.planner.compute`), plus the memory-bound work around the collectives (:func:`lins_dtensor.schedule.local_copy_bytes` at the copy bandwidth) and
 the host time per unit of FSDP2's hooks (where P is sharded) or Lins' gradient hooks
@@ -51,11 +56,11 @@ from lins_dtensor.schedule import (
 )
 
 PHASE_OF = {spec.name: spec.phase.value for spec in ALL_SPECS}
-# The update gathers (masters back to P), by name: a lossy all-reduce's second half is an
-# all-gather too, but of the step reduction chain.
-UPDATE_GATHERS = frozenset((UPDATE_GATHER_OPTIM.name, UPDATE_GATHER_GRAD.name))
 ISSUER_OF = {spec.name: spec.issuer for spec in ALL_SPECS}
 PHASES = tuple(p.value for p in Phase)
+# The update gathers (masters back to P), by name: a lossy all-reduce's second half is an
+# all-gather too, but one of the step's reduction chain.
+UPDATE_GATHERS = frozenset((UPDATE_GATHER_OPTIM.name, UPDATE_GATHER_GRAD.name))
 
 
 def network_bytes(record: CollectiveRecord) -> float:
