@@ -178,3 +178,19 @@ def test_cli_allow_formats(capsys):
         assert captured.out == "" and captured.err.startswith("lins-plan: error: --allow-formats: ") and captured.err.count("\n") == 1
     with pytest.raises(LinsConfigError):
         search("debugmodel", ClusterSpec(8, 2, SLOW), TRAINING, allowed_formats="grads=int4")
+
+
+def test_calibration_runs_carry_their_formats():
+    from lins_dtensor.planner.calibrate import CalibrationRun, Measurement, predict, run_from_json, run_to_json
+
+    cluster = ClusterSpec(8, 2, SLOW)
+    run = CalibrationRun(model_preset("debugmodel"), cluster, TRAINING, [Measurement("p=1,g=2,os=2", 0.1)], "p=1,g=2,os=2", "grads=int8")
+    again = run_from_json(json.loads(json.dumps(run_to_json(run))))
+    assert again.formats == "grads=int8" and again.measurements[0].formats == "grads=int8"
+    cost = predict(again, SLOW, again.measurements[0])
+    assert cost.formats == INT8
+    assert cost.step_s == evaluate(LinsPlan.parse("p=1,g=2,os=2", 8), model_preset("debugmodel"), cluster, TRAINING, formats=INT8).step_s
+    assert "formats" not in run_to_json(dataclasses.replace(run, formats=None))
+    for bad, message in (("grads=int4", "'formats': comm_formats: unknown format"), (8, "'formats' = 8 must be a string")):
+        with pytest.raises(PlannerError, match=message):
+            run_from_json({**run_to_json(run), "formats": bad})

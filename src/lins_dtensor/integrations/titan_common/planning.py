@@ -87,9 +87,9 @@ def _training(job: TitanJob, dp_world: int):
     )
 
 
-def _run_description(spec, cluster: ClusterSpec, training: TrainingSpec, plan: LinsPlan) -> dict:
+def _run_description(spec, cluster: ClusterSpec, training: TrainingSpec, plan: LinsPlan, formats: CommFormats) -> dict:
     """What ``lins-plan calibrate`` needs to know of this run, measured rows aside."""
-    return run_to_json(CalibrationRun(spec, cluster, training, [], str(plan)))
+    return run_to_json(CalibrationRun(spec, cluster, training, [], str(plan), str(formats) if formats.lossy else None))
 
 
 def _model_spec(model, tp: int):
@@ -130,7 +130,7 @@ def choose(job: TitanJob, model, world: int, rpn: int, allowed_formats: str | No
         plan, explanation = choose_plan(_model_spec(model, job.tp), cluster, training, allowed_formats=allowed_formats)
     except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
         raise LinsConfigError(f"{job.key('lins', 'plan')} = 'auto': {_first_line(exc)}") from None
-    run = _run_description(explanation.model, explanation.cluster, explanation.training, plan)
+    run = _run_description(explanation.model, explanation.cluster, explanation.training, plan, explanation.formats)
     return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster), run)
 
 
@@ -144,8 +144,8 @@ def predict(job: TitanJob, model, plan: LinsPlan, world: int, rpn: int, formats:
             Baseline(name, p, None if p is None else evaluate(p, spec, cluster, training), note)
             for name, p, note in baseline_plans(cluster.dp_ranks, cluster.dp_per_node, cluster.tp)
         ]
-        run = _run_description(spec, cluster, training, plan)
         chosen = evaluate(plan, spec, cluster, training, formats=CommFormats.parse(formats))
+        run = _run_description(spec, cluster, training, plan, chosen.formats)
         return Prediction(chosen, baselines, None, _cluster_text(cluster), run)
     except Exception as exc:  # noqa: BLE001 - the table is informative only; training goes on
         logger.warning(f"lins: no planner prediction for plan {plan}: {_first_line(exc)}")
