@@ -194,3 +194,14 @@ def test_calibration_runs_carry_their_formats():
     for bad, message in (("grads=int4", "'formats': comm_formats: unknown format"), (8, "'formats' = 8 must be a string")):
         with pytest.raises(PlannerError, match=message):
             run_from_json({**run_to_json(run), "formats": bad})
+
+
+def test_sweep_marks_a_change_of_formats(capsys):
+    args = ["--model", "debugmodel", "--gpus", "8", "--gpus-per-node", "2", "--hardware", "a800", "--seq-len", "2048",
+            "--allow-formats", "grads=int8", "--sweep", "inter-node-gbit=100,1000", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [pt["chosen"]["formats"] != "exact" for pt in out["points"]] == [True, False]
+    assert [(c["plan_from"], c["plan_to"]) for c in out["changes"]] == [("p=1,g=2,os=4", "p=1,g=2,os=4")]
+    assert main(args[:-1]) == 0
+    assert "100 -> 1000 Gbit/s: p=1,g=2,os=4 grads=int8 -> p=1,g=2,os=4 " in capsys.readouterr().out

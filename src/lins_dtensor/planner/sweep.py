@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from lins_dtensor.planner.cost import PlanCost
 from lins_dtensor.planner.memory import GiB
 from lins_dtensor.planner.models import PlannerError
 from lins_dtensor.planner.report import FORMAT, baseline_records, plan_record, plan_text, setting_record, setting_text, split_text
@@ -54,8 +55,12 @@ class SweepPoint:
 
 
 def changes(points: list[SweepPoint]) -> list[tuple[SweepPoint, SweepPoint]]:
-    """Neighbouring values between which the chosen plan differs."""
-    return [(a, b) for a, b in zip(points, points[1:]) if a.explanation.plan != b.explanation.plan]
+    """Neighbouring values between which the chosen plan or its wire formats differ."""
+    return [(a, b) for a, b in zip(points, points[1:]) if _choice(a.explanation.cost) != _choice(b.explanation.cost)]
+
+
+def _choice(cost: PlanCost) -> tuple:
+    return cost.plan, cost.formats
 
 
 def _value(v: float) -> str:
@@ -76,11 +81,14 @@ def _p_text(point: SweepPoint) -> str:
 
 def _head_to_head(here: SweepPoint, other: SweepPoint) -> str:
     """At ``here``'s value, its plan against the plan chosen at ``other``'s."""
-    ex, rival = here.explanation, other.explanation.plan
-    cost = next(c for c in [*ex.ranked, *ex.dropped] if c.plan == rival)
+    ex, rival = here.explanation, _choice(other.explanation.cost)
+    cost = next(c for c in [*ex.ranked, *ex.dropped] if _choice(c) == rival)
     theirs = f"{cost.step_s:.3f} s" if cost.fits else f"does not fit ({cost.memory.peak / GiB:.1f} GiB)"
-    tie = " (a near-tie, settled by inter-node bytes)" if cost.fits and cost.step_s < ex.cost.step_s else ""
-    return f"at {_value(here.value)}: {ex.plan} {ex.cost.step_s:.3f} s, {rival} {theirs}{tie}"
+    tie = ""
+    if cost.fits and cost.step_s < ex.cost.step_s:
+        tie = (" (lossy, not faster by more than the tie tolerance)" if cost.formats.lossy and not ex.cost.formats.lossy
+               else " (a near-tie, settled by inter-node bytes)")
+    return f"at {_value(here.value)}: {plan_text(ex.cost)} {ex.cost.step_s:.3f} s, {plan_text(cost)} {theirs}{tie}"
 
 
 def sweep_text(key: str, points: list[SweepPoint]) -> str:
@@ -114,7 +122,7 @@ def sweep_text(key: str, points: list[SweepPoint]) -> str:
     turns = changes(points)
     for a, b in turns:
         lines.append(
-            f"  {_value(a.value)} -> {_value(b.value)} {unit}: {a.explanation.plan} -> {b.explanation.plan} "
+            f"  {_value(a.value)} -> {_value(b.value)} {unit}: {plan_text(a.explanation.cost)} -> {plan_text(b.explanation.cost)} "
             f"({_p_text(a)} -> {_p_text(b)})"
         )
         lines.append(f"    {_head_to_head(a, b)}; {_head_to_head(b, a)}")
