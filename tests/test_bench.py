@@ -332,8 +332,7 @@ def test_ddp_hooks_record_what_they_send(ddp_hook_runs):
 
 def test_every_strategy_has_formats_and_an_equivalent():
     """Each row's wire formats come from strategy_formats; the planner's Equivalent carries
-    them as text, and a strategy it cannot cost says why instead of a number."""
-    from lins_dtensor.bench.planning import not_costed
+    them as text, and a strategy it cannot cost (PowerSGD) says why instead of a number."""
     from lins_dtensor.bench.strategies import (
         STRATEGIES,
         equivalent_plan,
@@ -346,11 +345,12 @@ def test_every_strategy_has_formats_and_an_equivalent():
     for s in (*STRATEGIES, "lins-plan"):
         eq = equivalent_plan(s, 2, "p=2,g=2,os=2")
         assert strategy_formats(s) == hooks.get(s, "exact") and eq.formats == formats_text(strategy_formats(s))
-        assert (not_costed(eq) is None) == (s not in hooks), s
+        assert (eq.not_costed is None) == (s != "ddp-powersgd"), s
     assert equivalent_plan("ddp-bf16-hook", 2).formats == "grads=bf16,grads:intra=bf16"
     assert equivalent_plan("ddp-bf16-hook", 2).plan == equivalent_plan("ddp-powersgd", 2).plan == "ddp"
-    assert "not costed: PowerSGD" in not_costed(equivalent_plan("ddp-powersgd", 2))
-    assert "wire formats" in not_costed(equivalent_plan("ddp-bf16-hook", 2))
+    assert "not costed: PowerSGD" in equivalent_plan("ddp-powersgd", 2).not_costed
+    lossy = equivalent_plan("lins-planner-compressed", 2, "p=1,g=2,os=2", "grads=int8")
+    assert lossy.formats == "grads=int8" and "formats grads=int8" in lossy.note
 
 
 def _measured_row(strategy: str, median: float, predicted: float | None, microbatches: int = 1) -> dict:
@@ -376,24 +376,24 @@ def _measured_row(strategy: str, median: float, predicted: float | None, microba
 
 
 def test_rows_without_a_prediction_are_left_out_of_the_accuracy_figures():
-    """A strategy the planner does not cost (the DDP hooks) gets its formats and no
+    """A strategy the planner does not cost (PowerSGD) gets its formats and no
     prediction error, link floor or fit, and the rank correlation and mean |error| are
     those of the costed rows alone, naming the others; the Markdown says so."""
     from lins_dtensor.bench.report import assemble, markdown
 
     rows = [_measured_row("fsdp2", 2.0, 2.2), _measured_row("hpz", 1.5, 1.2), _measured_row("ddp", 1.0, 1.1),
-            _measured_row("ddp-bf16-hook", 0.7, None), _measured_row("ddp-powersgd", 0.5, None)]
+            _measured_row("ddp-bf16-hook", 0.7, 0.7), _measured_row("ddp-powersgd", 0.5, None)]
     result = assemble({}, rows)
     by = {r["strategy"]: r for r in result["strategies"]}
     assert by["ddp"]["formats"] == "exact" and by["ddp-powersgd"]["formats"]["grads"]["inter"] == "powersgd-r4"
     assert by["ddp"]["prediction_error"] == pytest.approx(0.1) and by["ddp"]["fits"] == {"1 GiB": True, "unlimited": True}
-    for s in ("ddp-bf16-hook", "ddp-powersgd"):
-        r = by[s]
-        assert r["prediction_error"] is None and r["prediction_error_reference"] is None and r["link_floor_s"] is None
-        assert r["fits"] == {"1 GiB": None, "unlimited": True} and r["predicted"]["not_costed"].startswith("not costed")
+    r = by["ddp-powersgd"]
+    assert r["prediction_error"] is None and r["prediction_error_reference"] is None and r["link_floor_s"] is None
+    assert r["fits"] == {"1 GiB": None, "unlimited": True} and r["predicted"]["not_costed"].startswith("not costed")
+    assert by["ddp-bf16-hook"]["prediction_error"] == pytest.approx(0.0)
     acc = result["rank_correlation"]["M=1"]
-    assert acc["n"] == 3 and acc["not_costed"] == ["ddp-bf16-hook", "ddp-powersgd"]
-    assert acc["spearman"] == pytest.approx(1.0) and acc["mean_abs_error"] == pytest.approx((0.1 + 0.2 + 0.1) / 3)
+    assert acc["n"] == 4 and acc["not_costed"] == ["ddp-powersgd"]
+    assert acc["spearman"] == pytest.approx(1.0) and acc["mean_abs_error"] == pytest.approx((0.1 + 0.2 + 0.1 + 0.0) / 4)
     result["meta"] = {"nodes": 1, "ranks_per_node": 2, "world_size": 2, "link_rate": "300mbit", "cpu_count": 2,
                       "model": {"params": 1, "dim": 1, "n_layers": 1, "n_heads": 1, "ffn_dim": 1, "vocab_size": 1},
                       "dtype": "fp32", "batch_size": 1, "seq_len": 1, "warmup_steps": 1, "timed_steps": 1, "elapsed_s": 1.0,

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from lins_dtensor import LinsPlan
+from lins_dtensor import CommFormats, LinsPlan
 from lins_dtensor.bench.measure import Ranks
 from lins_dtensor.bench.strategies import FORMAT_STRATEGIES, PLANNER_STRATEGIES, Equivalent
 from lins_dtensor.planner import (
@@ -54,16 +54,8 @@ def calibrated_hardware(calib: dict, ranks_per_node: int) -> HardwareSpec:
         hardware_preset("cpu-emulated"), name="cpu-emulated (calibrated)", ranks_per_node=ranks_per_node,
         peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"], copy_bw=calib["copy_bytes_per_s"],
         unit_overhead_s=calib["unit_overhead_s"], replicated_unit_overhead_s=calib["replicated_unit_overhead_s"],
+        codec_s_per_value=calib["codec_s_per_value"],
     )
-
-
-def not_costed(eq: Equivalent) -> str | None:
-    """Why the planner has no prediction for ``eq`` (None: it has one): the strategy does
-    what its model lacks (PowerSGD), or sends in wire formats other than exact, which
-    it does not cost yet; a wrong number would enter the accuracy figures."""
-    if eq.not_costed is not None or eq.formats == "exact":
-        return eq.not_costed
-    return f"not costed: the planner does not cost wire formats yet ({eq.formats})"
 
 
 class Overlap(NamedTuple):
@@ -139,9 +131,8 @@ class Planning:
     def predict(self, microbatches: int, eq: Equivalent) -> dict:
         """The planner's prediction with the run's overlap model, plus the reference one's
         step time; for a strategy it cannot cost, no numbers (``step_s`` None) and why."""
-        reason = not_costed(eq)
-        if reason is not None:
-            return {"plan": eq.plan, "formats": eq.formats, "not_costed": reason, "step_s": None, "step_s_reference": None}
+        if eq.not_costed is not None:  # the strategy does what the planner's model lacks (PowerSGD)
+            return {"plan": eq.plan, "formats": eq.formats, "not_costed": eq.not_costed, "step_s": None, "step_s_reference": None}
         out = self._predict(microbatches, eq, self.run_overlap)
         out["step_s_reference"] = self._predict(microbatches, eq, self.reference_overlap)["step_s"]
         return out
@@ -152,7 +143,7 @@ class Planning:
         last too (``extra_all_reduce``); DDP has neither FSDP2's nor Lins' host time per
         unit and copies (``fsdp_hooks=False``; its own bucket copies are not modelled)."""
         world, rpn = self.ranks.world, self.ranks.per_node
-        plan = LinsPlan.parse(eq.plan, world)
+        plan, formats = LinsPlan.parse(eq.plan, world), CommFormats.parse(eq.formats)
         cluster, training = self.cluster(None), self.training(microbatches, overlap)
         if not eq.fsdp_hooks:
             bare = dataclasses.replace(cluster.hardware, unit_overhead_s=0.0, replicated_unit_overhead_s=0.0, copy_bw=math.inf)
@@ -162,10 +153,10 @@ class Planning:
         if eq.extra_all_reduce and microbatches > 1:
             once = step_collectives(
                 plan, rank0_units(self.spec, plan), world_size=world, ranks_per_node=rpn, microbatches=1,
-                param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes,
+                param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, formats=formats,
             )
             extra = [dataclasses.replace(r, count=r.count * (microbatches - 1)) for r in once if r.name == "optim_all_reduce"]
-        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions)
+        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions, formats=formats)
         step_s, exposed, comm = cost.step_s, cost.exposed_s, cost.comm_s
         inter_nic, intra = cost.link_bytes("inter"), cost.link_bytes("intra")
         return {

@@ -54,8 +54,8 @@ METHODS = {
                  "model (FSDP2 0: it blocks on its collectives on CPU; Lins as calibrated) and with a reference one (0.8 "
                  "for both, the planner's GPU default); other strategies are costed as the Lins plan with the same "
                  "collectives, issued the way that strategy issues them. Strategies the planner cannot cost have no "
-                 "prediction (predicted.not_costed says why: PowerSGD's compression is not in its model; bf16 wire "
-                 "formats are not costed yet): they have no prediction error or link floor, their fit is unknown (null), "
+                 "prediction (predicted.not_costed says why: PowerSGD's compression is not in its model): they have no "
+                 "prediction error or link floor, their fit is unknown (null), "
                  "and they are left out of the rank correlation and mean |error|",
     "comm_time": "Lins rows: lins_stats(model).comm_time() after each timed step, per state the median over the "
                  "timed steps, mean over ranks: seconds of collective time the host waited for (exposed; FSDP2's collectives block, so all of theirs) and seconds that ran "
