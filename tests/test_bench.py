@@ -1,6 +1,6 @@
 """End-to-end check of scripts/bench_cluster.sh at its smallest size.
 
-2 emulated nodes x 2 ranks, tiny model, one strategy, one timed step: the harness
+2 emulated nodes x 2 ranks, tiny model, two strategies (one with int8 allowed), one timed step: the harness
 creates its namespaces, profiles the links, runs the benchmark, writes a complete
 cluster.json and removes every namespace it created.
 """
@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from lins_dtensor import CommFormats
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_cluster.sh"
@@ -50,7 +52,7 @@ ROW_FIELDS = {
 }
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(320)
 def test_bench_cluster_end_to_end(tmp_path):
     reason = _skip_reason()
     if reason:
@@ -58,14 +60,14 @@ def test_bench_cluster_end_to_end(tmp_path):
     tag = f"lbt{os.getpid() % 100000}"
     out = tmp_path / "results"
     cmd = [
-        "bash", str(SCRIPT), "--nodes", "2", "--ranks-per-node", "2", "--rate", "400mbit", "--timeout", "150",
+        "bash", str(SCRIPT), "--nodes", "2", "--ranks-per-node", "2", "--rate", "400mbit", "--timeout", "240",
         "--out", str(out), "--tag", tag, "--subnet", "10.231.9", "--profile-max-size", "64KiB", "--profile-iters", "1",
         "--", "--model", "tiny", "--seq-len", "16", "--microbatches", "1", "--warmup", "1", "--steps", "1",
-        "--strategies", "lins-fsdp", "--memory-budget-gib", "0.0001", "--no-plot",
+        "--strategies", "lins-fsdp,lins-int8", "--memory-budget-gib", "0.0001", "--no-plot",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=260)
     except subprocess.TimeoutExpired:
         # SIGTERM, not SIGKILL: the script's trap must get to remove its namespaces.
         proc.terminate()
@@ -90,7 +92,14 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert meta["overlap_fraction"] == 0.0 and meta["reference_overlap_fraction"] == 0.8
     assert meta["lins_overlap_fraction"] == calib["lins_overlap_fraction"]
     assert {"unlimited", "0.0001 GiB"} <= {c["budget"] for c in meta["planner"]}
-    (row,) = result["strategies"]
+    assert set(calib["codec_s_per_value"]) == {"bf16", "int8"} and meta["hardware"]["codec_s_per_value"] == calib["codec_s_per_value"]
+    # The planner's picks with int8 allowed: measured with their formats, costed with them.
+    int8_picks = {(c["plan"], c["formats"]) for c in meta["planner_compressed"] if c["strategy"] == "lins-int8" and c["plan"]}
+    lossy = [r for r in result["strategies"] if r["strategy"] == "lins-int8"]
+    assert {(r["plan"], r["predicted"]["formats"]) for r in lossy} == int8_picks and lossy
+    for r in lossy:
+        assert r["formats"] == CommFormats.parse(r["predicted"]["formats"]).as_json() and r["predicted"]["step_s"] > 0
+    (row,) = [r for r in result["strategies"] if r["strategy"] == "lins-fsdp"]
     assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
     assert row["strategy"] == "lins-fsdp" and row["plan"] == "p=4,g=4,os=4" and row["microbatches"] == 1
     assert row["formats"] == "exact"

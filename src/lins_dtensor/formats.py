@@ -173,6 +173,13 @@ class CommFormats:
             return "exact"
         return {kind: {level: getattr(self, f"{kind}_{level}") for level in LEVELS} for kind in KINDS}
 
+    @classmethod
+    def from_json(cls, value: dict | str) -> "CommFormats":
+        """The inverse of :meth:`as_json`."""
+        if value == "exact":
+            return cls()
+        return cls(**{f"{kind}_{level}": name for kind, levels in value.items() for level, name in levels.items()})
+
     def check(self, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         """Raise a one-line :class:`LinsConfigError` for a format that cannot save bytes."""
         for level in LEVELS:

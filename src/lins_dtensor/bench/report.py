@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from lins_dtensor import CommFormats
 from lins_dtensor.bench.measure import Ranks, link_bytes, summarize_times
 from lins_dtensor.bench.model import MODEL_SIZES
 from lins_dtensor.bench.planning import GiB, Overlap, budget_label
@@ -462,7 +463,9 @@ def markdown(result: dict) -> str:
             lines.append(f"- {m}: Lins fsdp preset / stock FSDP2 step time = {comp['lins_fsdp_over_fsdp2']:.3f} "
                          f"({'within' if comp['lins_fsdp_within_3pct'] else 'outside'} 3 %)")
         for key, e in comp.items():
-            if isinstance(e, dict):
+            if isinstance(e, dict) and "formats" in e:  # a pick with lossy formats allowed
+                lines.append(f"- {m}, {key}: " + "; ".join(_compressed_parts(e)))
+            elif isinstance(e, dict):
                 parts = [f"{e['plan']} {e['median_s']:.3f} s" + (f" (the plan of {', '.join(e['same_plan_as'])})" if e.get("same_plan_as") else "")]
                 if "speedup_vs_fastest_other_same_memory" in e:
                     parts.append(f"{e['speedup_vs_fastest_other_same_memory']:.2f}x vs the fastest other strategy that fits "
@@ -478,6 +481,20 @@ def markdown(result: dict) -> str:
     lines += ["", "How each number is measured:", ""]
     lines += [f"- {k}: {v}" for k, v in meta["methods"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _compressed_parts(e: dict) -> list[str]:
+    """The Markdown of one :func:`compare_compressed` entry."""
+    parts = [f"{e['plan']} with formats {CommFormats.from_json(e['formats'])}, {e['median_s']:.3f} s"]
+    met = [k for k in e if k.startswith("target_") and k.endswith("x_met")]
+    if "speedup_vs_fastest_exact_same_memory" in e:
+        target = met[0][len("target_"):-len("x_met")] if met else "?"
+        parts.append(f"{e['speedup_vs_fastest_exact_same_memory']:.2f}x vs the fastest exact strategy that fits {e['budget']}, "
+                     f"{e['fastest_exact_same_memory']} (target {target}x: {'met' if e[met[0]] else 'not met'})")
+    if "speedup_vs_ddp_bf16_hook" in e:
+        parts.append(f"{e['speedup_vs_ddp_bf16_hook']:.2f}x vs DDP with the bf16 hook (target 1.15x: "
+                     f"{'met' if e['target_1.15x_vs_ddp_bf16_hook_met'] else 'not met'})")
+    return parts
 
 
 def plot(result: dict, path: str) -> None:
