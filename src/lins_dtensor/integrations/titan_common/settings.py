@@ -49,6 +49,11 @@ class Lins:
     """dtype gradients are reduced and accumulated in (G); "" follows
     training.mixed_precision_reduce. One of float32, bfloat16."""
 
+    comm_formats: str = "exact"
+    """Wire formats of Lins' collectives, e.g. "grads=int8,params=bf16" (inter-node
+    level; "grads:intra=bf16" for the intra-node level) or "exact"; with plan = "auto"
+    the formats the planner may choose from."""
+
     reduce_in_backward: bool = True
     """Reduce the last micro-batch's gradients to the optimizer layout during its
     backward, overlapped with it (Lins is told torchtitan's gradient accumulation steps);

@@ -1,0 +1,408 @@
+"""Convergence of Lins' wire formats against exact (fp32) training (issue 20).
+
+``run`` trains the debug LLaMA on 4 CPU ranks through torchtitan 0.2.2 (the
+``lins_dtensor.train`` launcher, ``train_configs/llama3_debug_cpu_convergence.toml``)
+and writes its per-step losses to ``bench/results/convergence/<name>.json``; ``report``
+turns those files into ``docs/convergence.md`` and ``docs/convergence.png``.
+
+Why the rule is what it is (the report states it too): every run sees the same batches
+in the same order (the corpus is not shuffled; the seed only changes the initial
+weights), so the exact runs' seeds spread only by their starting point and where it
+leads. The band is the per-step [min, max] over the exact runs. Single-step losses jump
+with the batch, so the decisive comparison is on a trailing mean over ``WINDOW`` steps,
+with the raw band's gap reported next to it. A band of three seeds is narrow: a fourth
+exact seed would leave it at some step, and a compressed run started from seed 0's
+weights sits next to seed 0, which is an edge of the band wherever seed 0 is the highest
+or lowest seed. So a format counts as inside when its smoothed gap is no larger than the
+largest gap by which an exact seed leaves the band of the other exact seeds
+(leave-one-out); the strict gap against all of them is reported as well.
+
+Run ``python -m lins_dtensor.bench.convergence run --name fp32-seed0 --seed 0`` (extra
+trainer arguments after ``--``, e.g. ``-- --lins.comm_formats grads=int8``) and
+``python -m lins_dtensor.bench.convergence report``; ``scripts/convergence.sh`` wraps both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import tomllib
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path.cwd()
+"""The repository root: run from there (scripts/convergence.sh does)."""
+CONFIG = "train_configs/llama3_debug_cpu_convergence.toml"
+RESULTS = Path("bench/results/convergence")
+WINDOW = 10
+"""Steps in the trailing mean that smooths single-step losses (the decisive comparison)."""
+LAST = 10
+"""Final steps averaged for the reported final loss next to the last step's."""
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - root - INFO - step:\s*(\d+)\s+loss:\s*(\S+)")
+
+
+# ---------------------------------------------------------------- band arithmetic
+
+
+def smooth(losses: list[float], window: int = WINDOW) -> list[float]:
+    """Trailing mean over ``window`` steps (fewer at the start, where fewer exist)."""
+    out, total = [], 0.0
+    for i, x in enumerate(losses):
+        total += x
+        if i >= window:
+            total -= losses[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def band(curves: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Per-step (min, max) over ``curves``, which must have the same length."""
+    if len({len(c) for c in curves}) != 1:
+        raise ValueError(f"band: curves of different lengths {[len(c) for c in curves]}")
+    return [min(xs) for xs in zip(*curves)], [max(xs) for xs in zip(*curves)]
+
+
+def gap(curve: list[float], lo: list[float], hi: list[float]) -> tuple[float, int | None]:
+    """Largest distance of ``curve`` outside [lo, hi] and its (1-based) step; (0, None)
+    when it stays inside."""
+    worst, at = 0.0, None
+    for step, (x, a, b) in enumerate(zip(curve, lo, hi, strict=True), start=1):
+        if math.isnan(x):
+            return math.inf, step
+        d = max(a - x, x - b)
+        if d > worst:
+            worst, at = d, step
+    return worst, at
+
+
+def leave_one_out_gap(curves: list[list[float]]) -> float:
+    """Largest gap of one curve against the band of the others: how far an exact run
+    leaves a band it is not part of (the tolerance of the decision)."""
+    worst = 0.0
+    for i, c in enumerate(curves):
+        rest = curves[:i] + curves[i + 1:]
+        worst = max(worst, gap(c, *band(rest))[0])
+    return worst
+
+
+def time_to_loss(curve: list[float], target: float) -> int | None:
+    """First (1-based) step at which ``curve`` reaches ``target`` or below; None if never."""
+    return next((step for step, x in enumerate(curve, start=1) if x <= target), None)
+
+
+# ---------------------------------------------------------------- running
+
+
+def parse_log(text: str) -> tuple[list[float], list[float | None]]:
+    """Rank 0's per-step losses and step wall times (from torchtitan's millisecond log
+    timestamps; step 1 has none: nothing before it is a step)."""
+    losses: dict[int, float] = {}
+    stamps: dict[int, datetime] = {}
+    for line in _ANSI.sub("", text).splitlines():
+        m = _STEP.search(line)
+        if m:
+            step = int(m.group(2))
+            losses[step] = float(m.group(3))
+            stamps[step] = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+    steps = sorted(losses)
+    if steps != list(range(1, len(steps) + 1)):
+        raise ValueError(f"log: steps {steps[:3]}...{steps[-3:]} are not 1..N")
+    times: list[float | None] = [None] + [(stamps[s] - stamps[s - 1]).total_seconds() for s in steps[1:]]
+    return [losses[s] for s in steps], times
+
+
+def _arg(extra: list[str], key: str) -> str | None:
+    """The value of ``--key value`` or ``--key=value`` in the trainer arguments."""
+    for i, a in enumerate(extra):
+        if a == key and i + 1 < len(extra):
+            return extra[i + 1]
+        if a.startswith(key + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
+def run(name: str, seed: int, extra: list[str], config: str = CONFIG, nproc: int = 4, timeout_s: int = 3600) -> dict:
+    """Train one run and write its JSON; the full rank-0 log goes to outputs/convergence/."""
+    command = ["torchrun", "--standalone", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
+               "--role", "rank", "--tee", "3", "-m", "lins_dtensor.train", "--job.config_file", config,
+               "--debug.seed", str(seed), *extra]
+    log_path = ROOT / "outputs" / "convergence" / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    started, commit = datetime.now(timezone.utc), _commit()
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"convergence: {name} failed (exit {proc.returncode}); see {log_path}")
+    losses, times = parse_log(log_path.read_text())
+    with open(ROOT / config, "rb") as f:
+        toml = tomllib.load(f)
+    result = {
+        "name": name,
+        "seed": seed,
+        "plan": _arg(extra, "--lins.plan") or toml["lins"]["plan"],
+        "formats": _arg(extra, "--lins.comm_formats") or toml["lins"].get("comm_formats", "exact"),
+        "config": config,
+        "steps": len(losses),
+        "losses": losses,
+        "step_times_s": times,
+        "wall_s": round(wall, 1),
+        "started_utc": started.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": commit,
+        "command": " ".join(shlex.quote(c) for c in command),
+    }
+    out = ROOT / RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"convergence: {name}: {len(losses)} steps, final loss {losses[-1]:.4f}, {wall:.0f} s -> {out.relative_to(ROOT)}")
+    return result
+
+
+# ---------------------------------------------------------------- report
+
+
+@dataclass
+class Row:
+    """One run's line in the report."""
+
+    name: str
+    plan: str
+    formats: str
+    seed: int
+    in_band: bool
+    final: float
+    final_mean: float
+    raw_gap: float
+    raw_gap_step: int | None
+    smooth_gap: float
+    smooth_gap_step: int | None
+    ttl: int | None
+    median_step_s: float | None
+    wall_s: float
+    commit: str
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
+
+
+def band_runs(runs: list[dict]) -> list[dict]:
+    """The exact runs of the plan with the most exact runs: the seeds that make the
+    band. An exact run of another plan (e.g. ddp next to p=1,g=2,os=4) is the same
+    training summed in another order, so it is compared with the band, not part of it."""
+    exact = [r for r in runs if r["formats"] == "exact"]
+    ranked = Counter(r["plan"] for r in exact).most_common(2)
+    if not ranked or ranked[0][1] < 2 or (len(ranked) > 1 and ranked[1][1] == ranked[0][1]):
+        raise ValueError(f"report: the band needs at least 2 exact seeds of one plan, most of them (exact runs: "
+                         f"{[(r['name'], r['plan']) for r in exact]})")
+    return [r for r in exact if r["plan"] == ranked[0][0]]
+
+
+def analyse(runs: list[dict]) -> dict:
+    """Band, tolerance, target and one Row per run (the band's seeds first) from run
+    dicts of one length."""
+    seeds = band_runs(runs)
+    raw = [r["losses"] for r in seeds]
+    sm = [smooth(c) for c in raw]
+    raw_lo, raw_hi = band(raw)
+    lo, hi = band(sm)
+    target = sum(c[-1] for c in sm) / len(sm)
+    rows = []
+    for r in sorted(runs, key=lambda r: (r not in seeds, r["plan"], r["formats"] != "exact", r["formats"], r["seed"])):
+        losses = r["losses"]
+        s = smooth(losses)
+        rg, rs = gap(losses, raw_lo, raw_hi)
+        sg, ss = gap(s, lo, hi)
+        rows.append(Row(r["name"], r["plan"], r["formats"], r["seed"], r in seeds, losses[-1],
+                        sum(losses[-LAST:]) / LAST, rg, rs, sg, ss, time_to_loss(s, target),
+                        _median([t for t in r["step_times_s"] if t is not None]), r["wall_s"], r["commit"]))
+    return {"plan": seeds[0]["plan"], "lo": lo, "hi": hi, "raw_lo": raw_lo, "raw_hi": raw_hi, "target": target,
+            "mean": [sum(xs) / len(xs) for xs in zip(*sm)], "tolerance": leave_one_out_gap(sm),
+            "raw_tolerance": leave_one_out_gap(raw), "rows": rows, "width": _median([b - a for a, b in zip(lo, hi)])}
+
+
+def _fmt(x: float) -> str:
+    return "inf (nan loss)" if math.isinf(x) else f"{x:.4f}"
+
+
+def markdown(runs: list[dict], a: dict, plot: str) -> str:
+    """docs/convergence.md: setup, rule, the tables and every run's provenance."""
+    first = runs[0]
+    seeds = [r for r in a["rows"] if r.in_band]
+    others = [r for r in a["rows"] if not r.in_band]
+    lines = [
+        "# Convergence of Lins' wire formats",
+        "",
+        "Generated by `python -m lins_dtensor.bench.convergence report` (`scripts/convergence.sh report`) "
+        f"from `{RESULTS}/*.json`; each run by `scripts/convergence.sh run` (its command below).",
+        "",
+        "## Setup",
+        "",
+        f"torchtitan 0.2.2, LLaMA-3 debug model, the offline `python_stdlib` corpus, 4 CPU ranks (gloo) as "
+        f"2 emulated nodes x 2 ranks (`ranks_per_node = 2`), {first['steps']} steps, config `{first['config']}`: "
+        "AdamW with torchtitan's defaults (lr 8e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1), gradient "
+        "clipping at norm 1.0, torchtitan's default schedule (200 warmup steps of 10000, linear decay to 0) "
+        "scaled to 300 steps: 6 warmup steps, then linear decay to 0; local batch 2 x 256 tokens per rank, "
+        "fp32 parameters and reductions, no activation checkpointing, no checkpoints. The seed "
+        "(`--debug.seed`) sets the initial weights; the batches are the same for every run. "
+        f"Plan `{a['plan']}`: gradients reduced inside each node, then across the nodes to the optimizer's "
+        "4 shards; the updated parameters gathered back across the nodes.",
+        "",
+        "## Rule",
+        "",
+        f"- **Band**: per step, the [min, max] of the {len(seeds)} exact (fp32) seeds' losses (plan "
+        f"`{a['plan']}`). The decisive curves are **smoothed** by a trailing mean over {WINDOW} steps (fewer "
+        "for the first steps); the raw per-step band is reported too.",
+        "- **Gap**: the largest distance by which a run's curve leaves the band, over all steps (0 inside).",
+        f"- **Tolerance**: {_fmt(a['tolerance'])} (smoothed; raw {_fmt(a['raw_tolerance'])}), the largest "
+        "gap of one exact seed against the band of the other exact seeds. A band of few seeds is narrow, "
+        "and a compressed run started from seed 0 sits next to seed 0, an edge of the band wherever seed 0 is "
+        "the highest or lowest seed: a run is **inside** when its smoothed gap is at most this tolerance, "
+        "i.e. it leaves the band by no more than exact training from another seed does. Formats that are "
+        "not inside are not offered by the planner.",
+        f"- **Final loss**: the last step's loss, and the mean of the last {LAST} steps.",
+        f"- **Time to loss**: the first step at which the run's smoothed loss reaches {a['target']:.4f}, the "
+        f"exact seeds' mean smoothed loss at step {first['steps']} (multiply by a benchmark's step time for "
+        f"seconds). Median width of the smoothed band: {_fmt(a['width'])}.",
+        "",
+        "## Reading it",
+        "",
+        "- The corpus' batches differ in difficulty far more than the runs differ from each other: the smoothed "
+        "loss is not monotonic, and where it dips below its final value time to loss is the first crossing of "
+        f"that dip (the exact seeds: steps {', '.join(str(r.ttl) for r in seeds)}). It compares runs fairly (the "
+        "same batches at the same steps), but a run a little worse can miss a dip and cross much later: read it "
+        "next to the gap.",
+        "- Step and wall times were measured on a 2-core machine shared with other work (4 ranks on 2 cores): "
+        "they show the runs finished, not what a format costs or saves; the benchmark's step times are for that.",
+        "- Each run's commit is the one it started at (a `+dirty` suffix: with uncommitted changes).",
+        "",
+        "## Exact (fp32) seeds",
+        "",
+        f"| run | seed | final loss | mean last {LAST} | time to loss (step) | median step (s) | wall (s) | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in seeds:
+        lines.append(f"| {r.name} | {r.seed} | {r.final:.4f} | {r.final_mean:.4f} | {r.ttl or 'not reached'} | "
+                     f"{r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
+    lines += ["", "## Against the band", ""]
+    if not others:
+        lines.append("No compressed run yet.")
+    else:
+        lines += [
+            f"| run | plan | formats | seed | final loss | mean last {LAST} | gap, smoothed (step) | "
+            "gap, raw (step) | time to loss (step) | inside | median step (s) | wall (s) | commit |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in others:
+            inside = "yes" if r.smooth_gap <= a["tolerance"] else "**no**"
+            lines.append(
+                f"| {r.name} | `{r.plan}` | `{r.formats}` | {r.seed} | {_fmt(r.final)} | {_fmt(r.final_mean)} | "
+                f"{_fmt(r.smooth_gap)} ({r.smooth_gap_step or '-'}) | {_fmt(r.raw_gap)} ({r.raw_gap_step or '-'}) | "
+                f"{r.ttl or 'not reached'} | {inside} | {r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
+    lines += ["", f"![loss curves and band]({plot})", "",
+              "Top: smoothed losses and the exact seeds' band. Bottom: each run's smoothed loss minus the exact "
+              "seeds' mean, with the band around it.", "", "## Runs", ""]
+    for r in runs:
+        lines.append(f"- `{r['name']}` ({r['started_utc']} UTC, {r['wall_s']:.0f} s, commit {r['commit']}): "
+                     f"`{r['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], a: dict, path: Path) -> None:
+    """Smoothed curves with the band, and their differences from the exact mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mean = a["mean"]
+    steps = list(range(1, len(mean) + 1))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=[3, 2])
+    top.fill_between(steps, a["lo"], a["hi"], color="0.8", label="exact seeds' band")
+    bottom.fill_between(steps, [x - m for x, m in zip(a["lo"], mean)], [x - m for x, m in zip(a["hi"], mean)],
+                        color="0.8")
+    in_band = {r.name for r in a["rows"] if r.in_band}
+    for r in sorted(runs, key=lambda r: r["name"] not in in_band):
+        s = smooth(r["losses"])
+        if r["name"] in in_band:
+            style, label = {"color": "0.35", "lw": 0.8, "ls": "--"}, f"exact, seed {r['seed']}"
+        else:
+            plan = "" if r["plan"] == a["plan"] else f"{r['plan']}, "
+            style, label = {"lw": 1.3}, f"{plan}{r['formats']} (seed {r['seed']})"
+        top.plot(steps, s, label=label, **style)
+        bottom.plot(steps, [x - m for x, m in zip(s, mean)], **style)
+    top.set_ylabel(f"loss (trailing mean of {WINDOW})")
+    top.set_title(f"Debug LLaMA, 4 CPU ranks (2 nodes x 2), plan {a['plan']}")
+    top.legend(fontsize=8)
+    bottom.axhline(0, color="k", lw=0.5)
+    bottom.set_ylabel("minus exact mean")
+    bottom.set_xlabel("step")
+    lim = max(abs(x - m) for c in [a["lo"], a["hi"]] for x, m in zip(c[WINDOW:], mean[WINDOW:]))
+    bottom.set_ylim(-4 * lim, 4 * lim)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "convergence.md") -> None:
+    """Write the table and the plot from every JSON in ``results`` (one length and config)."""
+    runs = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
+    if not runs:
+        raise SystemExit(f"convergence: no runs in {results}")
+    kinds = {(r["steps"], r["config"]) for r in runs}
+    if len(kinds) != 1:
+        raise SystemExit(f"convergence: runs of different lengths or configs {sorted(kinds)}: one band needs one")
+    a = analyse(runs)
+    png = doc.with_suffix(".png")
+    plot(runs, a, png)
+    doc.write_text(markdown(runs, a, png.name))
+    for r in a["rows"]:
+        print(f"{r.name:24s} {r.plan:14s} {r.formats:22s} final {_fmt(r.final)} (last {LAST}: {_fmt(r.final_mean)}) "
+              f"gap {_fmt(r.smooth_gap)} raw {_fmt(r.raw_gap)} time-to-loss {r.ttl}")
+    print(f"tolerance {_fmt(a['tolerance'])}; wrote {doc} and {png}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    parser = argparse.ArgumentParser(prog="python -m lins_dtensor.bench.convergence", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="train one run and write its JSON (trainer arguments after --)")
+    p.add_argument("--name", required=True)
+    p.add_argument("--seed", type=int, required=True, help="torchtitan 0.2.2's --debug.seed (initial weights)")
+    p.add_argument("--config", default=CONFIG)
+    p.add_argument("--nproc", type=int, default=4)
+    sub.add_parser("report", help="docs/convergence.md and .png from the JSON files")
+    args = parser.parse_args(argv)
+    if args.cmd == "run":
+        run(args.name, args.seed, extra, args.config, args.nproc)
+    else:
+        report()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The convergence report's arithmetic (lins_dtensor.bench.convergence) on synthetic
+loss curves: no training, so a wrong band or gap shows here and not in a 30-minute run."""
+
+import json
+import math
+
+import pytest
+
+from lins_dtensor.bench.convergence import (
+    analyse, band, gap, leave_one_out_gap, parse_log, report, smooth, time_to_loss,
+)
+
+SEEDS = [[5.0, 4.0, 3.0, 2.0], [5.2, 4.1, 3.2, 2.2], [4.9, 3.9, 2.9, 1.9]]
+
+
+def test_smooth_is_a_trailing_mean_with_short_windows_at_the_start():
+    assert smooth([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+    assert smooth([2.0, 4.0], window=10) == [2.0, 3.0]
+
+
+def test_band_is_the_per_step_min_and_max():
+    assert band(SEEDS) == ([4.9, 3.9, 2.9, 1.9], [5.2, 4.1, 3.2, 2.2])
+    with pytest.raises(ValueError):
+        band([[1.0, 2.0], [1.0]])
+
+
+def test_a_run_inside_the_band_has_gap_zero():
+    lo, hi = band(SEEDS)
+    assert gap([5.0, 4.0, 3.1, 2.0], lo, hi) == (0.0, None)
+    assert gap(lo, lo, hi) == (0.0, None)  # on the edge is inside
+
+
+def test_a_run_outside_has_its_largest_distance_and_step():
+    lo, hi = band(SEEDS)
+    size, step = gap([5.3, 3.8, 3.2, 2.5], lo, hi)  # 0.1 above, 0.1 below, inside, 0.3 above
+    assert step == 4 and size == pytest.approx(0.3)
+    size, step = gap([4.9, 3.5, 3.0, 2.0], lo, hi)  # below the band at step 2
+    assert step == 2 and size == pytest.approx(0.4)
+
+
+def test_a_nan_loss_is_an_infinite_gap():
+    lo, hi = band(SEEDS)
+    assert gap([5.0, math.nan, 3.0, 2.0], lo, hi) == (math.inf, 2)
+
+
+def test_leave_one_out_gap_is_how_far_one_seed_leaves_the_others_band():
+    # Without seed 1 the band's top is seed 0, 0.2 below seed 1 (steps 1, 3, 4); without
+    # seed 2 its bottom is seed 0, 0.1 above seed 2; seed 0 lies inside the other two.
+    assert leave_one_out_gap(SEEDS) == pytest.approx(0.2)
+
+
+def test_time_to_loss_is_the_first_step_at_or_below_the_target():
+    assert time_to_loss([5.0, 4.0, 3.0, 2.0], 3.0) == 3
+    assert time_to_loss([5.0, 4.0], 3.0) is None
+
+
+def test_parse_log_reads_losses_and_step_times_through_colour_codes():
+    log = "\n".join([
+        "[rank0]:[titan] 2026-12-02 06:48:23,560 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss:  8.09608  \x1b[38;2;1;2;3mgrad_norm: 0.6",
+        "[rank0]:[titan] 2026-12-02 06:48:23,600 - root - INFO - something else",
+        "[rank0]:[titan] 2026-12-02 06:48:24,848 - root - INFO - \x1b[31mstep:  2  \x1b[32mloss:  8.08484  \x1b[38;2;1;2;3mgrad_norm: 0.6",
+    ])
+    losses, times = parse_log(log)
+    assert losses == [8.09608, 8.08484]
+    assert times[0] is None and times[1] == pytest.approx(1.288)
+
+
+def _run(name, formats, seed, losses, plan="p=1,g=2,os=4"):
+    return {"name": name, "seed": seed, "plan": plan, "formats": formats, "config": "c.toml",
+            "steps": len(losses), "losses": losses, "step_times_s": [None] + [1.0] * (len(losses) - 1),
+            "wall_s": 10.0, "started_utc": "2026-12-02 07:00:00", "commit": "abc1234", "command": "torchrun ..."}
+
+
+def test_analyse_and_report_on_synthetic_runs(tmp_path):
+    steps = 40
+    base = [8.0 - 0.125 * i for i in range(steps)]  # binary fractions: exact sums
+    seeds = [[x + d for x in base] for d in (0.0, 0.0625, -0.0625)]
+    inside = [x - 0.015625 for x in base]
+    outside = [x + (0.5 if i >= 30 else 0.0) for i, x in enumerate(base)]
+    runs = [_run(f"fp32-seed{s}", "exact", s, c) for s, c in enumerate(seeds)]
+    runs += [_run("grads-bf16", "grads=bf16", 0, inside), _run("grads-int8", "grads=int8", 0, outside),
+             _run("ddp-fp32-seed0", "exact", 0, seeds[0], plan="ddp")]
+    a = analyse(runs)
+    rows = {r.name: r for r in a["rows"]}
+    # The band: the plan with the most exact seeds; an exact run of another plan is compared with it.
+    assert [r.name for r in a["rows"] if r.in_band] == ["fp32-seed0", "fp32-seed1", "fp32-seed2"]
+    assert not rows["ddp-fp32-seed0"].in_band and rows["ddp-fp32-seed0"].smooth_gap == 0.0
+    assert rows["grads-bf16"].smooth_gap == 0.0 and rows["grads-bf16"].raw_gap == 0.0
+    # Raw: 0.5 above the base from step 31 on, 0.4375 above the band. Smoothed over 10
+    # steps: only at step 40 are the last 10 losses all 0.5 higher, again 0.4375 above.
+    assert rows["grads-int8"].raw_gap == 0.4375 and rows["grads-int8"].raw_gap_step == 31
+    assert rows["grads-int8"].smooth_gap == pytest.approx(0.4375) and rows["grads-int8"].smooth_gap_step == 40
+    assert a["tolerance"] == pytest.approx(0.0625)  # the seeds are parallel lines 0.0625 apart
+    assert rows["grads-int8"].ttl is None and rows["grads-bf16"].ttl == steps  # target: the seeds' mean at the end
+
+    results = tmp_path / "results"
+    results.mkdir()
+    for r in runs:
+        (results / f"{r['name']}.json").write_text(json.dumps(r))
+    doc = tmp_path / "convergence.md"
+    report(results, doc)
+    text = doc.read_text()
+    assert "| grads-bf16 | `p=1,g=2,os=4` | `grads=bf16` | 0 |" in text and "| ddp-fp32-seed0 | `ddp` | `exact` |" in text
+    assert "| yes |" in text and "| **no** |" in text
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+
+
+def test_the_band_needs_two_seeds_of_one_plan():
+    with pytest.raises(ValueError, match="at least 2 exact seeds"):
+        analyse([_run("fp32-seed0", "exact", 0, [3.0, 2.0]), _run("grads-int8", "grads=int8", 0, [3.0, 2.0])])
