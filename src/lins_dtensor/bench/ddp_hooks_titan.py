@@ -13,7 +13,7 @@ and a communication hook chosen by the environment variable ``LINS_BENCH_DDP_HOO
   :data:`~lins_dtensor.bench.strategies.POWERSGD_START_ITER` = 2, error feedback, warm start).
 
 Use: ``LINS_BENCH_DDP_HOOK=bf16 torchrun ... -m lins_dtensor.train --job.config_file
-train_configs/llama3_debug_cpu_convergence.toml --lins.enable false --model.name ddp_llama3
+train_configs/llama3_debug_cpu_convergence.toml --lins.no-enable --model.name ddp_llama3
 --experimental.custom_import lins_dtensor.bench.ddp_hooks_titan`` (``run`` below does
 this and writes the JSON; ``scripts/convergence_ddp.sh`` wraps it). Importing this
 module registers the ``ddp_llama3`` TrainSpec: torchtitan's llama3 spec whose
@@ -69,7 +69,7 @@ FORMATS = {"allreduce": "exact", "bf16": "ddp bf16_compress_hook", "powersgd": "
 """The JSON's ``formats``: the plain all-reduce is exact fp32 training (plan ``ddp``)."""
 
 # torchtitan's overrides that turn the Lins convergence config into the DDP run.
-OVERRIDES = ["--lins.enable", "false", "--model.name", SPEC_NAME,
+OVERRIDES = ["--lins.no-enable", "--model.name", SPEC_NAME,
              "--experimental.custom_import", "lins_dtensor.bench.ddp_hooks_titan"]
 
 
