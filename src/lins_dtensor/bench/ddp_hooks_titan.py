@@ -56,7 +56,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -100,7 +99,10 @@ def summing(hook, world_size: int):
 def register_hook(ddp: nn.parallel.DistributedDataParallel, kind: str) -> None:
     """torch's hook for ``kind`` on the default (world) group, as the benchmark sets it."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+        PowerSGDState,
+        powerSGD_hook,
+    )
 
     from lins_dtensor.bench.strategies import POWERSGD_RANK, POWERSGD_START_ITER
 
@@ -162,10 +164,10 @@ def parallelize_ddp(model: nn.Module, parallel_dims, job_config):
 
 
 def register() -> None:
-    import lins_dtensor.integrations.torchtitan  # noqa: F401  (CPU shims, dataset, tokenizer)
     from torchtitan.models.llama3 import get_train_spec
     from torchtitan.protocols.train_spec import register_train_spec
 
+    import lins_dtensor.integrations.torchtitan  # noqa: F401  (CPU shims, dataset, tokenizer)
     from lins_dtensor.integrations.torchtitan import lins_train_spec
 
     lins = lins_train_spec()
@@ -207,9 +209,9 @@ def _logged_steps(log_path: Path) -> int:
 
 
 def _commit(root: Path) -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=False).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True).stdout.strip()
+                           capture_output=True, text=True, check=False).stdout.strip()
     return head + ("+dirty" if dirty else "")
 
 
