@@ -1,6 +1,6 @@
 """End-to-end check of scripts/bench_cluster.sh at its smallest size.
 
-2 emulated nodes x 2 ranks, tiny model, one strategy, one timed step: the harness
+2 emulated nodes x 2 ranks, tiny model, two strategies (one with int8 allowed), one timed step: the harness
 creates its namespaces, profiles the links, runs the benchmark, writes a complete
 cluster.json and removes every namespace it created.
 """
@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from lins_dtensor import CommFormats
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_cluster.sh"
@@ -50,7 +52,7 @@ ROW_FIELDS = {
 }
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(320)
 def test_bench_cluster_end_to_end(tmp_path):
     reason = _skip_reason()
     if reason:
@@ -58,14 +60,14 @@ def test_bench_cluster_end_to_end(tmp_path):
     tag = f"lbt{os.getpid() % 100000}"
     out = tmp_path / "results"
     cmd = [
-        "bash", str(SCRIPT), "--nodes", "2", "--ranks-per-node", "2", "--rate", "400mbit", "--timeout", "150",
+        "bash", str(SCRIPT), "--nodes", "2", "--ranks-per-node", "2", "--rate", "400mbit", "--timeout", "240",
         "--out", str(out), "--tag", tag, "--subnet", "10.231.9", "--profile-max-size", "64KiB", "--profile-iters", "1",
         "--", "--model", "tiny", "--seq-len", "16", "--microbatches", "1", "--warmup", "1", "--steps", "1",
-        "--strategies", "lins-fsdp", "--memory-budget-gib", "0.0001", "--no-plot",
+        "--strategies", "lins-fsdp,lins-int8", "--memory-budget-gib", "0.0001", "--no-plot",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=260)
     except subprocess.TimeoutExpired:
         # SIGTERM, not SIGKILL: the script's trap must get to remove its namespaces.
         proc.terminate()
@@ -90,7 +92,14 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert meta["overlap_fraction"] == 0.0 and meta["reference_overlap_fraction"] == 0.8
     assert meta["lins_overlap_fraction"] == calib["lins_overlap_fraction"]
     assert {"unlimited", "0.0001 GiB"} <= {c["budget"] for c in meta["planner"]}
-    (row,) = result["strategies"]
+    assert set(calib["codec_s_per_value"]) == {"bf16", "int8"} and meta["hardware"]["codec_s_per_value"] == calib["codec_s_per_value"]
+    # The planner's picks with int8 allowed: measured with their formats, costed with them.
+    int8_picks = {(c["plan"], c["formats"]) for c in meta["planner_compressed"] if c["strategy"] == "lins-int8" and c["plan"]}
+    lossy = [r for r in result["strategies"] if r["strategy"] == "lins-int8"]
+    assert {(r["plan"], r["predicted"]["formats"]) for r in lossy} == int8_picks and lossy
+    for r in lossy:
+        assert r["formats"] == CommFormats.parse(r["predicted"]["formats"]).as_json() and r["predicted"]["step_s"] > 0
+    (row,) = [r for r in result["strategies"] if r["strategy"] == "lins-fsdp"]
     assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
     assert row["strategy"] == "lins-fsdp" and row["plan"] == "p=4,g=4,os=4" and row["microbatches"] == 1
     assert row["formats"] == "exact"
@@ -139,9 +148,11 @@ def test_bench_cluster_refuses_without_root(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "root" in proc.stderr, proc.stderr
 
 
-def _row(strategy: str, median: float, fits_budget: bool, plan: str | None = None, chosen_for: list | None = None) -> dict:
-    row = {"strategy": strategy, "label": strategy if chosen_for is None else f"Lins planner [{', '.join(chosen_for)}]",
-           "plan": plan, "step_time_s": {"median": median}, "fits": {"1 GiB": fits_budget, "unlimited": True}}
+def _row(strategy: str, median: float, fits_budget: bool, plan: str | None = None, chosen_for: list | None = None,
+         formats: dict | str = "exact", microbatches: int = 1) -> dict:
+    row = {"strategy": strategy, "label": strategy if chosen_for is None else f"{strategy} [{', '.join(chosen_for)}]",
+           "plan": plan, "step_time_s": {"median": median}, "fits": {"1 GiB": fits_budget, "unlimited": True}, "formats": formats,
+           "microbatches": microbatches}
     if chosen_for is not None:
         row["chosen_for"] = chosen_for
     return row
@@ -166,17 +177,49 @@ def test_targets_compare_against_every_strategy_that_fits_the_plans_budget():
     ]
     out = compare(rows)
     assert out["lins_fsdp_over_fsdp2"] == pytest.approx(8.1 / 8.0) and out["lins_fsdp_within_3pct"]
-    budgeted = out["Lins planner [1 GiB]"]
+    budgeted = out["lins-planner [1 GiB]"]
     assert budgeted["budget"] == "1 GiB" and budgeted["fastest_other_same_memory"] == "lins-zero1 (p=1,g=1,os=8)"
-    assert budgeted["same_plan_as"] == ["lins-zero2"] and "same_plan_as" not in out["Lins planner [unlimited]"]
+    assert budgeted["same_plan_as"] == ["lins-zero2"] and "same_plan_as" not in out["lins-planner [unlimited]"]
     assert budgeted["speedup_vs_fastest_other_same_memory"] == pytest.approx(1.1) and not budgeted["target_1.15x_met"]
     assert budgeted["best_variant_same_memory"] == "hpz" and budgeted["speedup_vs_best_variant_same_memory"] == pytest.approx(2.0)
     assert budgeted["speedup_vs_fsdp2"] == pytest.approx(4.0)
-    unlimited = out["Lins planner [unlimited]"]
+    unlimited = out["lins-planner [unlimited]"]
     assert unlimited["budget"] == "unlimited" and unlimited["fastest_other_same_memory"] == "ddp (-)"
     assert unlimited["speedup_vs_fastest_other_same_memory"] == pytest.approx(1.1) and not unlimited["target_1.15x_met"]
     rows[-1]["step_time_s"]["median"] = 1.2
-    assert compare(rows)["Lins planner [unlimited]"]["target_1.15x_met"]
+    assert compare(rows)["lins-planner [unlimited]"]["target_1.15x_met"]
+    # A lossy row is no exact strategy: it does not count against the exact planner.
+    rows.append(_row("ddp-bf16-hook", 0.5, False, formats={"grads": {"inter": "bf16", "intra": "bf16"}}))
+    assert compare(rows)["lins-planner [unlimited]"]["fastest_other_same_memory"] == "ddp (-)"
+
+
+@pytest.mark.parametrize("m, target", [(1, 1.4), (4, 1.2)])
+def test_compressed_picks_compare_against_the_fastest_exact_strategy_and_ddp_with_the_bf16_hook(m, target):
+    """The planner's pick with lossy formats allowed against every exact strategy that
+    fits its budget, Lins' own exact pick included (1.4x at M=1, 1.2x at more), and
+    against DDP with its bf16 hook where that fits (1.15x); other lossy rows do not count."""
+    from lins_dtensor.bench.report import compare
+
+    int8 = {"grads": {"inter": "int8", "intra": "exact"}, "params": {"inter": "exact", "intra": "exact"}}
+    bf16 = {"grads": {"inter": "bf16", "intra": "bf16"}}
+    rows = [
+        _row("lins-planner-compressed", 1.0, False, "p=1,g=4,os=4", ["unlimited"], int8, m),
+        _row("lins-planner-compressed", 2.0, True, "p=1,g=8,os=8", ["1 GiB"], int8, m),
+        _row("lins-bf16", 0.9, False, "p=1,g=4,os=4", ["unlimited"], bf16, m),
+        _row("lins-planner", 1.3, False, "p=1,g=4,os=4", ["unlimited"], microbatches=m),
+        _row("lins-zero2", 2.9, True, "p=1,g=8,os=8", microbatches=m),
+        _row("ddp", 1.6, False, microbatches=m),
+        _row("ddp-bf16-hook", 1.2, False, formats=bf16, microbatches=m),
+    ]
+    out = compare(rows)
+    unlimited = out["lins-planner-compressed [unlimited]"]
+    assert unlimited["fastest_exact_same_memory"] == "lins-planner (p=1,g=4,os=4)" and unlimited["formats"] == int8
+    assert unlimited["speedup_vs_fastest_exact_same_memory"] == pytest.approx(1.3) and unlimited[f"target_{target}x_met"] == (1.3 >= target)
+    assert unlimited["speedup_vs_ddp_bf16_hook"] == pytest.approx(1.2) and unlimited["target_1.15x_vs_ddp_bf16_hook_met"]
+    budgeted = out["lins-planner-compressed [1 GiB]"]
+    assert budgeted["fastest_exact_same_memory"] == "lins-zero2 (p=1,g=8,os=8)" and "speedup_vs_ddp_bf16_hook" not in budgeted
+    assert budgeted["speedup_vs_fastest_exact_same_memory"] == pytest.approx(1.45) and budgeted[f"target_{target}x_met"]
+    assert out["lins-bf16 [unlimited]"]["speedup_vs_fastest_exact_same_memory"] == pytest.approx(1.3 / 0.9)
 
 
 def test_link_floor_is_the_larger_of_compute_and_link_time():
@@ -298,8 +341,7 @@ def test_ddp_hooks_record_what_they_send(ddp_hook_runs):
 
 def test_every_strategy_has_formats_and_an_equivalent():
     """Each row's wire formats come from strategy_formats; the planner's Equivalent carries
-    them as text, and a strategy it cannot cost says why instead of a number."""
-    from lins_dtensor.bench.planning import not_costed
+    them as text, and a strategy it cannot cost (PowerSGD) says why instead of a number."""
     from lins_dtensor.bench.strategies import (
         STRATEGIES,
         equivalent_plan,
@@ -312,11 +354,12 @@ def test_every_strategy_has_formats_and_an_equivalent():
     for s in (*STRATEGIES, "lins-plan"):
         eq = equivalent_plan(s, 2, "p=2,g=2,os=2")
         assert strategy_formats(s) == hooks.get(s, "exact") and eq.formats == formats_text(strategy_formats(s))
-        assert (not_costed(eq) is None) == (s not in hooks), s
+        assert (eq.not_costed is None) == (s != "ddp-powersgd"), s
     assert equivalent_plan("ddp-bf16-hook", 2).formats == "grads=bf16,grads:intra=bf16"
     assert equivalent_plan("ddp-bf16-hook", 2).plan == equivalent_plan("ddp-powersgd", 2).plan == "ddp"
-    assert "not costed: PowerSGD" in not_costed(equivalent_plan("ddp-powersgd", 2))
-    assert "wire formats" in not_costed(equivalent_plan("ddp-bf16-hook", 2))
+    assert "not costed: PowerSGD" in equivalent_plan("ddp-powersgd", 2).not_costed
+    lossy = equivalent_plan("lins-planner-compressed", 2, "p=1,g=2,os=2", "grads=int8")
+    assert lossy.formats == "grads=int8" and "formats grads=int8" in lossy.note
 
 
 def _measured_row(strategy: str, median: float, predicted: float | None, microbatches: int = 1) -> dict:
@@ -342,24 +385,24 @@ def _measured_row(strategy: str, median: float, predicted: float | None, microba
 
 
 def test_rows_without_a_prediction_are_left_out_of_the_accuracy_figures():
-    """A strategy the planner does not cost (the DDP hooks) gets its formats and no
+    """A strategy the planner does not cost (PowerSGD) gets its formats and no
     prediction error, link floor or fit, and the rank correlation and mean |error| are
     those of the costed rows alone, naming the others; the Markdown says so."""
     from lins_dtensor.bench.report import assemble, markdown
 
     rows = [_measured_row("fsdp2", 2.0, 2.2), _measured_row("hpz", 1.5, 1.2), _measured_row("ddp", 1.0, 1.1),
-            _measured_row("ddp-bf16-hook", 0.7, None), _measured_row("ddp-powersgd", 0.5, None)]
+            _measured_row("ddp-bf16-hook", 0.7, 0.7), _measured_row("ddp-powersgd", 0.5, None)]
     result = assemble({}, rows)
     by = {r["strategy"]: r for r in result["strategies"]}
     assert by["ddp"]["formats"] == "exact" and by["ddp-powersgd"]["formats"]["grads"]["inter"] == "powersgd-r4"
     assert by["ddp"]["prediction_error"] == pytest.approx(0.1) and by["ddp"]["fits"] == {"1 GiB": True, "unlimited": True}
-    for s in ("ddp-bf16-hook", "ddp-powersgd"):
-        r = by[s]
-        assert r["prediction_error"] is None and r["prediction_error_reference"] is None and r["link_floor_s"] is None
-        assert r["fits"] == {"1 GiB": None, "unlimited": True} and r["predicted"]["not_costed"].startswith("not costed")
+    r = by["ddp-powersgd"]
+    assert r["prediction_error"] is None and r["prediction_error_reference"] is None and r["link_floor_s"] is None
+    assert r["fits"] == {"1 GiB": None, "unlimited": True} and r["predicted"]["not_costed"].startswith("not costed")
+    assert by["ddp-bf16-hook"]["prediction_error"] == pytest.approx(0.0)
     acc = result["rank_correlation"]["M=1"]
-    assert acc["n"] == 3 and acc["not_costed"] == ["ddp-bf16-hook", "ddp-powersgd"]
-    assert acc["spearman"] == pytest.approx(1.0) and acc["mean_abs_error"] == pytest.approx((0.1 + 0.2 + 0.1) / 3)
+    assert acc["n"] == 4 and acc["not_costed"] == ["ddp-powersgd"]
+    assert acc["spearman"] == pytest.approx(1.0) and acc["mean_abs_error"] == pytest.approx((0.1 + 0.2 + 0.1 + 0.0) / 4)
     result["meta"] = {"nodes": 1, "ranks_per_node": 2, "world_size": 2, "link_rate": "300mbit", "cpu_count": 2,
                       "model": {"params": 1, "dim": 1, "n_layers": 1, "n_heads": 1, "ffn_dim": 1, "vocab_size": 1},
                       "dtype": "fp32", "batch_size": 1, "seq_len": 1, "warmup_steps": 1, "timed_steps": 1, "elapsed_s": 1.0,

@@ -62,6 +62,7 @@ def test_settings_text_round_trips_and_defaults_to_exact():
     assert CommFormats.parse(None) == CommFormats.parse("exact") == CommFormats()
     assert not CommFormats().lossy and CommFormats().as_json() == "exact"
     assert formats.as_json() == {"grads": {"inter": "int8", "intra": "exact"}, "params": {"inter": "exact", "intra": "bf16"}}
+    assert CommFormats.from_json(formats.as_json()) == formats and CommFormats.from_json("exact") == CommFormats()
 
 
 @pytest.mark.quick

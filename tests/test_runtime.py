@@ -267,7 +267,7 @@ def test_fsdp_equivalent_plans_send_fsdp2_bytes(fsdp_runs):
 
     def without_names(counter):
         out = {}
-        for (name, op, size, nodes, nbytes), count in counter.items():
+        for (name, op, size, nodes, nbytes, *_), count in counter.items():
             if name not in ("grad_norm_all_reduce", "used_params_all_reduce"):
                 out[(op, size, nodes, nbytes)] = out.get((op, size, nodes, nbytes), 0) + count
         return out

@@ -150,6 +150,34 @@ def test_lins_keys_with_fixed_values_are_checked_in_one_line(monkeypatch, key, v
     check_config(titan_job(job_config))
 
 
+@pytest.mark.parametrize(
+    "plan, formats, expected",
+    [
+        ("fsdp", "grads=int4", "[lins] comm_formats = 'grads=int4': unknown format 'int4'"),
+        ("fsdp", "grads=int8|bf16", "[lins] comm_formats = 'grads=int8|bf16': one format per kind"),
+        ("auto", "weights=bf16", "[lins] comm_formats = 'weights=bf16': expected 'kind[:level]=format'"),
+    ],
+)
+def test_comm_formats_are_checked_in_one_line_before_any_collective(monkeypatch, plan, formats, expected):
+    """With an explicit plan one format per kind and level; with plan = "auto" the
+    formats the planner may choose from ('|')."""
+    from torchtitan.config import JobConfig
+
+    from lins_dtensor.integrations.titan_common.plan import LinsConfigError, allowed_formats, check_config
+    from lins_dtensor.integrations.titan_common.settings import Lins
+    from lins_dtensor.integrations.torchtitan.plan import titan_job
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    job_config = JobConfig()
+    job_config.lins = Lins(enable=True, plan=plan, ranks_per_node=2, comm_formats=formats)
+    with pytest.raises(LinsConfigError) as error:
+        check_config(titan_job(job_config))
+    assert str(error.value).startswith("lins: " + expected) and "\n" not in str(error.value), str(error.value)
+    job_config.lins = Lins(enable=True, plan="auto", ranks_per_node=2, comm_formats="grads=int8|bf16")
+    check_config(titan_job(job_config))
+    assert allowed_formats(titan_job(job_config)) == "grads=int8|bf16"
+
+
 @pytest.mark.timeout(660)
 def test_end_to_end_loss_falls_and_tensorboard_has_lins_scalars(tmp_path, assets):
     dump = tmp_path / "run"

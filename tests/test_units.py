@@ -284,3 +284,50 @@ def test_a_bucket_reset_after_a_failed_backward_sends_nothing():
     backend.reset()
     backend.end_backward()
     assert sent == []
+
+
+# ----- lossy wire formats: error feedback ------------------------------------------------------
+@pytest.mark.parametrize("plan", ["ddp", "p=1,g=4,os=4"])
+def test_int8_error_feedback_delays_what_rounding_loses_and_loses_nothing(plan, device_mesh, monkeypatch):
+    """int8 gradient reductions across 2 emulated nodes of 2 ranks (ddp: the all-reduce
+    over the replicas, as an all-to-all and a gather of encoded sums; p=1,g=4,os=4: the
+    G-level reduce-scatter, as an all-to-all), 5 steps of random gradients: what the
+    reductions delivered to the optimizer, plus every residual the ranks still hold, is
+    the exact sum of all gradients (error feedback delays what rounding loses, it does
+    not lose it), while each step's delivered gradient is not the exact one."""
+    from lins_dtensor.formats import CommFormats
+
+    world = SimWorld(LinsPlan.parse(plan, 4), 4, device_mesh, SHAPES, formats=CommFormats.parse("grads=int8,grads:intra=int8"),
+                     ranks_per_node=2)
+    world.install(monkeypatch)
+    assert all(unit.geometry.optim.k == 1 for unit in world.units)  # the OS gradient is in the G chunk's layout
+    delivered = [[torch.zeros(s) for s in unit.geometry.local_shapes("optim")] for unit in world.units]
+    total = [torch.zeros(s) for s in SHAPES]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(5):
+        grads = {(r, 0): [torch.randn(s, generator=gen) for s in SHAPES] for r in range(4)}
+        run_backwards(world, grads, 1)
+        exact = [sum(grads[r, 0][i] for r in range(4)) for i in range(len(SHAPES))]
+        total = [t + e for t, e in zip(total, exact)]
+        rounded = False
+        for rank, unit in enumerate(world.units):
+            unit.finalize_grads([True] * len(SHAPES))
+            got = [m.grad * 4 for m in unit.local_masters]  # the unit divided by the 4 ranks
+            rounded |= any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(got, world.optim_rows(rank, exact)))
+            delivered[rank] = [d + g for d, g in zip(delivered[rank], got)]
+            unit.end_step()
+        assert rounded, step  # (a block holding one value is exact: rank 3's only row here)
+    # The residuals, in each rank's OS (= G chunk) layout: the all-to-all inputs' (every
+    # rank's, the rows of chunk j for rank j) and, for an all-reduce, each rank's slice of the sums.
+    spec = OPTIM_ALL_REDUCE.name if plan == "ddp" else GRAD_SHARD_REDUCE_SCATTER.name
+    residuals = [unit.residuals[spec] for unit in world.units]
+    for rank, unit in enumerate(world.units):
+        g = unit.geometry
+        if plan == "ddp":
+            held = sum(r[0] for r in residuals) + torch.cat([r[1] for r in residuals])
+            flat = held[: g.grads.chunk_numel]
+        else:
+            flat = sum(r[0].view(4, -1)[g.grad_index] for r in residuals)
+        rows = [v.view(s) for v, s in zip(g.grads.views(flat, g.grad_index), g.local_shapes("optim"))]
+        for d, r, t in zip(delivered[rank], rows, world.optim_rows(rank, total)):
+            torch.testing.assert_close(d + r, t, atol=1e-5, rtol=1e-5)

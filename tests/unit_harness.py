@@ -3,7 +3,7 @@ chains without forking.
 
 Each simulated rank has its own :class:`~lins_dtensor.units.LinsUnit`,
 :class:`~lins_dtensor.units.ShardContext` and :class:`~lins_dtensor.executor.Executor`,
-exactly as ``apply_lins`` builds them; only the mesh and the three ``start_*``
+exactly as ``apply_lins`` builds them; only the mesh and the four ``start_*``
 collectives are stand-ins (:meth:`SimWorld.install` patches them into
 :mod:`lins_dtensor.units`). A collective completes once every member of its group has
 issued it, and then computes what gloo would (sum, scatter, gather) over the members'
@@ -40,6 +40,7 @@ from torch.distributed.tensor import Placement
 from lins_dtensor import units
 from lins_dtensor.collectives import CommRecorder, CommStream, CommTiming
 from lins_dtensor.executor import Executor
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.layout import chunk_rows, chunk_start
 from lins_dtensor.mesh import MESH_DIMS, LinsMesh, mesh_shape
 from lins_dtensor.plan import LinsPlan
@@ -108,6 +109,9 @@ class _Collective:
             full = torch.cat([inp for _, inp in tensors])
             for out, _ in tensors:
                 out.copy_(full)
+        elif self.kind == "all_to_all":  # (output, input): member j gets chunk j of every input
+            for j, (out, _) in enumerate(tensors):
+                out.copy_(torch.cat([inp.view(len(self.members), -1)[j] for _, inp in tensors]))
         else:  # all_reduce: (tensor,)
             total = torch.stack([t for (t,) in tensors]).sum(0)
             for (t,) in tensors:
@@ -145,6 +149,9 @@ class SimMesh:
 
     def group(self, dim: str) -> SimGroup:
         return SimGroup(self.world, self.rank, dim, self.world.members(self.rank, dim))
+
+    def nodes_spanned(self, dim: str) -> int:
+        return len({r // self.world.ranks_per_node for r in self.world.members(self.rank, dim)})
 
     tp = 1  # no tensor parallelism: LinsMesh.placements reads it
 
@@ -184,8 +191,9 @@ class SimWorld:
     any chain runs."""
 
     def __init__(self, plan: LinsPlan, world_size: int, device_mesh: DeviceMesh, shapes: Sequence[tuple[int, ...]],
-                 param_dtype: torch.dtype = torch.float32) -> None:
+                 param_dtype: torch.dtype = torch.float32, formats: CommFormats = CommFormats(), ranks_per_node: int | None = None) -> None:
         self.plan, self.world_size, self.device_mesh = plan, world_size, device_mesh
+        self.ranks_per_node = ranks_per_node or world_size  # the link level of wire formats
         r, p, g, o = mesh_shape(plan, world_size)
         self.sizes = dict(zip(MESH_DIMS, (r, p, g, o)))
         # build_lins_mesh's layout: ranks in (replica, optim, grad, param) order, the
@@ -201,7 +209,7 @@ class SimWorld:
         for rank in range(world_size):
             stream = CommStream(torch.device("cpu"))
             ctx = ShardContext(SimMesh(self, rank), plan, param_dtype, torch.float32, torch.float32, float(world_size),
-                               torch.device("cpu"), CommRecorder(world_size), stream, Executor(stream, 1 << 30))
+                               torch.device("cpu"), CommRecorder(world_size), stream, Executor(stream, 1 << 30), formats)
             params = [nn.Parameter(t.clone()) for t in self.initial]
             # P replicated: the real backend. P sharded is FSDP2's: RowShards stands in.
             backend = ReplicatedParams(nn.ParameterList(params), params, MixedPrecisionPolicy()) if plan.params == 1 \
@@ -221,13 +229,13 @@ class SimWorld:
 
     def install(self, monkeypatch) -> None:
         """Route the units' collectives to this world."""
-        for kind in ("reduce_scatter", "all_gather", "all_reduce"):
+        for kind in ("reduce_scatter", "all_gather", "all_reduce", "all_to_all"):
             monkeypatch.setattr(units, f"start_{kind}", self._starter(kind))
 
     def _starter(self, kind: str) -> Callable[..., SimFlight]:
-        def start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, *args) -> SimFlight:
+        def start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, *args, **_wire) -> SimFlight:
             *tensors, group, _step = args  # every collective here belongs to the step under test
-            message = tensors[1] if kind == "reduce_scatter" else tensors[0]
+            message = tensors[1] if kind in ("reduce_scatter", "all_to_all") else tensors[0]
             self.issued.append(Issued(group.rank, spec, len(group.members), message.numel()))
             key = (group.dim, group.members)
             n = self._calls.get((group.rank, group.dim), 0)

@@ -123,10 +123,6 @@ class CommRecorder:
             self._group_info[key] = (len(ranks), len({r // self.ranks_per_node for r in ranks}))
         return self._group_info[key]
 
-    def describe(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
-        """(ranks, nodes) of ``group``: its size and its link level on the wire."""
-        return self._describe(group)
-
     def record(self, spec: CollectiveSpec, group: dist.ProcessGroup | None, message: torch.Tensor, step: int | None = None,
                op: Op | None = None, fmt: str = "exact", exact_bytes: int | None = None) -> CommTiming:
         """Record one collective of ``spec`` (as ``op`` in wire format ``fmt``, standing

@@ -86,12 +86,17 @@ class WireFormat:
             return out
         numel = rows.shape[1]
         blocks = math.ceil(numel / self.block)
-        padded = rows.new_zeros(chunks, blocks * self.block, dtype=torch.float32)
-        padded[:, :numel].copy_(rows)
-        padded = padded.view(chunks, blocks, self.block)
-        scale = padded.abs().amax(dim=2, keepdim=True).div_(127.0)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        quantised = padded.div_(scale).round_().clamp_(-127, 127).to(torch.int8)
+        if numel % self.block or rows.dtype != torch.float32:
+            whole = rows.new_zeros(chunks, blocks * self.block, dtype=torch.float32)
+            whole[:, :numel].copy_(rows)
+        else:
+            whole = rows
+        whole = whole.view(chunks, blocks, self.block)
+        # Few passes over the values (this runs on every lossy collective): two
+        # reductions for the largest magnitude, one scaling, one rounding, one cast.
+        largest = torch.maximum(whole.amax(dim=2, keepdim=True), whole.amin(dim=2, keepdim=True).neg_())
+        scale = torch.where(largest > 0, largest / 127.0, torch.ones_like(largest))
+        quantised = torch.mul(whole, scale.reciprocal()).round_()  # within [-127, 127] by the scale's choice
         grid[:, : blocks * self.block].view(torch.int8).copy_(quantised.view(chunks, -1))
         grid[:, blocks * self.block :].view(torch.float32).copy_(scale.view(chunks, blocks))
         return out
@@ -167,6 +172,13 @@ class CommFormats:
         if not self.lossy:
             return "exact"
         return {kind: {level: getattr(self, f"{kind}_{level}") for level in LEVELS} for kind in KINDS}
+
+    @classmethod
+    def from_json(cls, value: dict | str) -> "CommFormats":
+        """The inverse of :meth:`as_json`."""
+        if value == "exact":
+            return cls()
+        return cls(**{f"{kind}_{level}": name for kind, levels in value.items() for level, name in levels.items()})
 
     def check(self, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         """Raise a one-line :class:`LinsConfigError` for a format that cannot save bytes."""

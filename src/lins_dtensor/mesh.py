@@ -102,6 +102,11 @@ class LinsMesh:
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.device_mesh.get_group(dim)
 
+    def nodes_spanned(self, dim: str) -> int:
+        """Nodes this rank's group along ``dim`` covers (> 1: its collectives cross the
+        network, the "inter" link level of wire formats)."""
+        return len({rank // self.ranks_per_node for rank in dist.get_process_group_ranks(self.group(dim))})
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """How long a collective on any of the mesh's groups (Lins' and FSDP2's) waits
         for a peer before it fails: a stopped or dead rank then ends the job with an

@@ -161,12 +161,12 @@ class ShardContext:
         """How a collective of ``spec`` over ``layout`` runs in its lossy wire format, or
         None when it runs exact (the format of its group's link level; no collective
         for a group of one)."""
-        if not self.formats.lossy:
+        if not self.formats.lossy or self.mesh.size(spec.mesh_dim) == 1:
             return None
-        size, nodes = self.recorder.describe(self.group(spec.mesh_dim))
-        fmt = spec_format(spec, self.formats, "inter" if nodes > 1 else "intra")
-        if size == 1 or not fmt.lossy:
+        fmt = spec_format(spec, self.formats, "inter" if self.mesh.nodes_spanned(spec.mesh_dim) > 1 else "intra")
+        if not fmt.lossy:
             return None
+        size = self.mesh.size(spec.mesh_dim)
         exact = self.param_dtype if spec.dtype == "param" else self.reduce_dtype
         return Encoded.of(spec, fmt, size, layout, exact.itemsize)
 

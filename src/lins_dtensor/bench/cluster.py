@@ -47,7 +47,7 @@ from lins_dtensor.bench.measure import Instance, Ranks, calibrate, log, summariz
 from lins_dtensor.bench.model import MODEL_SIZES, build_model
 from lins_dtensor.bench.planning import Overlap, Planning, calibrated_hardware
 from lins_dtensor.bench.report import RowSpec, make_row, run_meta, write_results
-from lins_dtensor.bench.strategies import DESCRIPTIONS, STRATEGIES, Strategies, equivalent_plan
+from lins_dtensor.bench.strategies import DESCRIPTIONS, PLANNER_STRATEGIES, STRATEGIES, Strategies, equivalent_plan
 from lins_dtensor.planner import BandwidthTable, model_from_module
 
 
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     reference_overlap = Overlap(args.reference_overlap_fraction, args.reference_overlap_fraction)
     planning = Planning(spec, hw, BandwidthTable.load(args.bandwidth), ranks, args, run_overlap, reference_overlap)
     budgets = [None] + ([args.memory_budget_gib] if args.memory_budget_gib else [])
-    choices = planning.choose_all(budgets, with_reference=not args.skip_reference_plan)
+    choices = planning.choose_all(budgets, with_reference=not args.skip_reference_plan, strategies=args.strategies)
 
     wanted = rows_to_measure(args, choices, ranks)
     instances = build_instances(wanted, args, ranks)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                                               "transient": result["transient_bytes"], "states": result["state_bytes"],
                                               "comm_time": result["comm_time"]})
             if rank == 0:
-                eq = equivalent_plan(row.strategy, ranks.per_node, row.plan)
+                eq = equivalent_plan(row.strategy, ranks.per_node, row.plan, row.formats)
                 rows.append(make_row(
                     row, measured=result, per_rank=per_rank,
                     reused=any(r["microbatches"] == m and r["instance"] == row.instance for r in rows),
@@ -158,30 +158,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def rows_to_measure(args: argparse.Namespace, choices: dict[tuple[int, str], dict], ranks: Ranks) -> dict[int, list[RowSpec]]:
-    """The rows of each M: the planner's distinct plans (each labelled with every budget
-    it was chosen under), then the strategies asked for, in their order."""
+PLANNER_LABELS = {"lins-planner": "Lins planner", "lins-planner-compressed": "Lins planner, lossy formats",
+                  "lins-bf16": "Lins planner, bf16 allowed", "lins-int8": "Lins planner, int8 allowed"}
+
+
+def lins_instance(plan: str, formats: str = "exact") -> str:
+    """The instance that runs a Lins plan with its wire formats (rows with both alike share it)."""
+    return f"lins:{plan}" if formats == "exact" else f"lins:{plan}|{formats}"
+
+
+def rows_to_measure(args: argparse.Namespace, choices: dict[str, dict[tuple[int, str], dict]], ranks: Ranks) -> dict[int, list[RowSpec]]:
+    """The rows of each M: each planner strategy's distinct (plan, formats) picks (each
+    labelled with every budget it was chosen under), then the strategies asked for, in
+    their order."""
     wanted = {}
     for m in args.microbatches:
         rows = []
-        if "lins-planner" in args.strategies:
-            labels = [lb for mm, lb in choices if mm == m]
+        for strategy in PLANNER_STRATEGIES:
+            if strategy not in args.strategies:
+                continue
+            picks = choices[strategy]
+            labels = [lb for mm, lb in picks if mm == m]
             seen = set()
             for lb in labels:
-                plan = choices[(m, lb)]["plan"]
-                if plan and plan not in seen:
-                    seen.add(plan)
-                    chosen_for = tuple(other for other in labels if choices[(m, other)]["plan"] == plan)
-                    rows.append(RowSpec("lins-planner", f"Lins planner [{', '.join(chosen_for)}]", plan, m, f"lins:{plan}", chosen_for))
+                pick = picks[(m, lb)]
+                key = (pick["plan"], pick.get("formats", "exact"))
+                if key[0] and key not in seen:
+                    seen.add(key)
+                    chosen_for = tuple(other for other in labels if (picks[(m, other)]["plan"], picks[(m, other)].get("formats", "exact")) == key)
+                    label = f"{PLANNER_LABELS[strategy]} [{', '.join(chosen_for)}]"
+                    rows.append(RowSpec(strategy, label, key[0], m, lins_instance(*key), chosen_for, key[1]))
         for s in args.strategies:
-            if s == "lins-planner" or (s == "hsdp-deferred" and m == 1):
+            if s in PLANNER_STRATEGIES or (s == "hsdp-deferred" and m == 1):
                 continue  # hsdp-deferred is hsdp itself with one micro-batch
             if s.startswith("lins:"):
                 plan = str(LinsPlan.parse(s[len("lins:"):], ranks.world))
-                rows.append(RowSpec("lins-plan", f"Lins, plan {plan}", plan, m, f"lins:{plan}"))
+                rows.append(RowSpec("lins-plan", f"Lins, plan {plan}", plan, m, lins_instance(plan)))
             elif s.startswith("lins-"):
                 plan = str(LinsPlan.parse(equivalent_plan(s, ranks.per_node).plan, ranks.world))
-                rows.append(RowSpec(s, DESCRIPTIONS[s], plan, m, f"lins:{plan}"))
+                rows.append(RowSpec(s, DESCRIPTIONS[s], plan, m, lins_instance(plan)))
             else:
                 rows.append(RowSpec(s, DESCRIPTIONS[s], None, m, s))
         wanted[m] = rows
@@ -192,11 +207,11 @@ def build_instances(wanted: dict[int, list[RowSpec]], args: argparse.Namespace, 
     """Every instance the rows name, built once (Lins rows with the same plan share one)
     and in the order they are first named."""
     strategies = Strategies(args.model, ranks)
-    plan_of = {row.instance: row.plan for rows in wanted.values() for row in rows}
+    plan_of = {row.instance: (row.plan, row.formats) for rows in wanted.values() for row in rows}
     instances = {}
-    for key, plan in plan_of.items():
+    for key, (plan, formats) in plan_of.items():
         t0 = time.time()
-        instances[key] = Instance(key, strategies.builder(key, plan), args, ranks.rank)
+        instances[key] = Instance(key, strategies.builder(key, plan, formats), args, ranks.rank)
         log(ranks.rank, f"built {key} ({time.time() - t0:.0f} s)")
     return instances
 

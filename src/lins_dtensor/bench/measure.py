@@ -28,6 +28,7 @@ from lins_dtensor.bench.model import MODEL_SIZES, batch, build_model, loss_fn
 from lins_dtensor.planner.compute import model_flops_per_token
 from lins_dtensor.planner.cost import network_bytes
 from lins_dtensor.planner.memory import rank0_units
+from lins_dtensor.planner.profile import measure_codec_rates
 from lins_dtensor.planner.models import model_from_module
 from lins_dtensor.runtime import default_units
 from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, CollectiveRecord, UnitSchedule, fsdp2_copy_bytes, local_copy_bytes
@@ -308,6 +309,9 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
     worst = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     t = dict(zip(samples, (float(v) for v in worst)))
+    codec = measure_codec_rates(torch.device("cpu"))  # every rank at once, as the rest
+    slowest_codec = torch.tensor(list(codec.values()), dtype=torch.float64)
+    dist.all_reduce(slowest_codec, op=dist.ReduceOp.MAX)
     flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
     copy_bytes_per_s = 2 * numel * 4 / t["copy"]
     units = rank0_units(spec, replicated)
@@ -330,6 +334,8 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
         "replicated_unit_overhead_s": max(0.0, (t["lins"] - t["plain"] - replicated_copies / copy_bytes_per_s) / len(units)),
         "overlap_probe": {"all_reduce_s": t["comm"], "compute_s": t["compute2"], "both_s": t["both"], "message_bytes": message.numel() * 4},
         "lins_overlap_fraction": min(1.0, max(0.0, hidden / min(t["comm"], t["compute2"]))),
+        # Seconds per value encoded or decoded by each lossy wire format (lins-plan profile's measurement).
+        "codec_s_per_value": dict(zip(codec, (float(v) for v in slowest_codec))),
     }
 
 

@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from lins_dtensor import LinsPlan
+from lins_dtensor import CommFormats, LinsPlan
 from lins_dtensor.bench.measure import Ranks
-from lins_dtensor.bench.strategies import Equivalent
+from lins_dtensor.bench.strategies import FORMAT_STRATEGIES, PLANNER_STRATEGIES, Equivalent
 from lins_dtensor.planner import (
     BandwidthTable,
     ClusterSpec,
@@ -54,16 +54,8 @@ def calibrated_hardware(calib: dict, ranks_per_node: int) -> HardwareSpec:
         hardware_preset("cpu-emulated"), name="cpu-emulated (calibrated)", ranks_per_node=ranks_per_node,
         peak_flops=calib["flops_per_s"], efficiency=1.0, hbm_bw=calib["optimizer_bytes_per_s"], copy_bw=calib["copy_bytes_per_s"],
         unit_overhead_s=calib["unit_overhead_s"], replicated_unit_overhead_s=calib["replicated_unit_overhead_s"],
+        codec_s_per_value=calib["codec_s_per_value"],
     )
-
-
-def not_costed(eq: Equivalent) -> str | None:
-    """Why the planner has no prediction for ``eq`` (None: it has one): the strategy does
-    what its model lacks (PowerSGD), or sends in wire formats other than exact, which
-    it does not cost yet; a wrong number would enter the accuracy figures."""
-    if eq.not_costed is not None or eq.formats == "exact":
-        return eq.not_costed
-    return f"not costed: the planner does not cost wire formats yet ({eq.formats})"
 
 
 class Overlap(NamedTuple):
@@ -98,43 +90,49 @@ class Planning:
             overlap_fraction=overlap.fsdp, lins_overlap_fraction=overlap.lins,
         )
 
-    def choose_all(self, budgets_gib: Sequence[float | None], with_reference: bool) -> dict[tuple[int, str], dict]:
-        """The choice for every M of the run: under each budget with the run's overlap
-        model and, ``with_reference``, with no budget under the reference one; keyed
-        by (M, budget label)."""
+    def choose_all(self, budgets_gib: Sequence[float | None], with_reference: bool, strategies: Sequence[str]) -> dict[str, dict[tuple[int, str], dict]]:
+        """Per planner strategy (the exact "lins-planner" always, for the results' record;
+        those of :data:`FORMAT_STRATEGIES` asked for), the choice for every M of the run:
+        under each budget with the run's overlap model and, ``with_reference`` (exact
+        only), with no budget under the reference one; keyed by (M, budget label)."""
         choices = {}
-        for m in self.args.microbatches:
-            for b in budgets_gib:
-                choices[(m, budget_label(b))] = self.choose(m, b, self.run_overlap)
-            if with_reference:
-                choices[(m, reference_label(self.reference_overlap.fsdp))] = self.choose(m, None, self.reference_overlap)
+        for strategy in PLANNER_STRATEGIES:
+            if strategy != "lins-planner" and strategy not in strategies:
+                continue
+            allowed = FORMAT_STRATEGIES.get(strategy)
+            picks = {}
+            for m in self.args.microbatches:
+                for b in budgets_gib:
+                    picks[(m, budget_label(b))] = self.choose(m, b, self.run_overlap, allowed)
+                if with_reference and allowed is None:
+                    picks[(m, reference_label(self.reference_overlap.fsdp))] = self.choose(m, None, self.reference_overlap)
+            choices[strategy] = picks
         return choices
 
-    def choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap) -> dict:
+    def choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap, allowed_formats: str | None = None) -> dict:
         """Rank 0's choice, sent to every rank: each rank building a different plan from a
         near-tie would deadlock the first collective that only some of them issue."""
-        choice = [self._choose(microbatches, budget_gib, overlap) if self.ranks.rank == 0 else None]
+        choice = [self._choose(microbatches, budget_gib, overlap, allowed_formats) if self.ranks.rank == 0 else None]
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap) -> dict:
+    def _choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap, allowed_formats: str | None) -> dict:
         try:
-            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap))
+            plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap), allowed_formats=allowed_formats)
         except PlannerError as exc:
             return {"plan": None, "error": exc.detail}
         return {
-            "plan": str(plan), "reason": ex.reason, "predicted_step_s": ex.cost.step_s,
+            "plan": str(plan), "formats": str(ex.cost.formats), "reason": ex.reason, "predicted_step_s": ex.cost.step_s,
             "predicted_peak_bytes": ex.cost.memory.peak, "valid_plans": len(ex.ranked) + len(ex.dropped),
             "dropped_for_memory": len(ex.dropped), "table_fallbacks": [list(s) for s in ex.table_fallbacks],
-            "top5": [{"plan": str(c.plan), "step_s": c.step_s} for c in ex.ranked[:5]],
+            "top5": [{"plan": str(c.plan), "formats": str(c.formats), "step_s": c.step_s} for c in ex.ranked[:5]],
         }
 
     def predict(self, microbatches: int, eq: Equivalent) -> dict:
         """The planner's prediction with the run's overlap model, plus the reference one's
         step time; for a strategy it cannot cost, no numbers (``step_s`` None) and why."""
-        reason = not_costed(eq)
-        if reason is not None:
-            return {"plan": eq.plan, "formats": eq.formats, "not_costed": reason, "step_s": None, "step_s_reference": None}
+        if eq.not_costed is not None:  # the strategy does what the planner's model lacks (PowerSGD)
+            return {"plan": eq.plan, "formats": eq.formats, "not_costed": eq.not_costed, "step_s": None, "step_s_reference": None}
         out = self._predict(microbatches, eq, self.run_overlap)
         out["step_s_reference"] = self._predict(microbatches, eq, self.reference_overlap)["step_s"]
         return out
@@ -145,7 +143,7 @@ class Planning:
         last too (``extra_all_reduce``); DDP has neither FSDP2's nor Lins' host time per
         unit and copies (``fsdp_hooks=False``; its own bucket copies are not modelled)."""
         world, rpn = self.ranks.world, self.ranks.per_node
-        plan = LinsPlan.parse(eq.plan, world)
+        plan, formats = LinsPlan.parse(eq.plan, world), CommFormats.parse(eq.formats)
         cluster, training = self.cluster(None), self.training(microbatches, overlap)
         if not eq.fsdp_hooks:
             bare = dataclasses.replace(cluster.hardware, unit_overhead_s=0.0, replicated_unit_overhead_s=0.0, copy_bw=math.inf)
@@ -155,10 +153,10 @@ class Planning:
         if eq.extra_all_reduce and microbatches > 1:
             once = step_collectives(
                 plan, rank0_units(self.spec, plan), world_size=world, ranks_per_node=rpn, microbatches=1,
-                param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes,
+                param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, formats=formats,
             )
             extra = [dataclasses.replace(r, count=r.count * (microbatches - 1)) for r in once if r.name == "optim_all_reduce"]
-        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions)
+        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions, formats=formats)
         step_s, exposed, comm = cost.step_s, cost.exposed_s, cost.comm_s
         inter_nic, intra = cost.link_bytes("inter"), cost.link_bytes("intra")
         return {

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lins_dtensor import (
+    CommFormats,
     LinsMesh,
     LinsPlan,
     apply_lins,
@@ -60,11 +61,22 @@ MAX_NORM = 1.0  # gradient clipping, for every strategy
 POWERSGD_RANK = 4
 POWERSGD_START_ITER = 2
 
-STRATEGIES = ("lins-planner", "lins-fsdp", "lins-zero1", "lins-zero2", "fsdp2", "hsdp", "hsdp-deferred", "hpz", "ddp",
+# The planner's pick with lossy wire formats allowed (lins_dtensor.formats): every
+# format on every kind and level, or one format only; the planner decides where.
+FORMAT_STRATEGIES = {
+    "lins-planner-compressed": "grads=bf16|int8,grads:intra=bf16|int8,params=bf16|int8,params:intra=bf16|int8",
+    "lins-bf16": "grads=bf16,grads:intra=bf16,params=bf16,params:intra=bf16",
+    "lins-int8": "grads=int8,grads:intra=int8,params=int8,params:intra=int8",
+}
+PLANNER_STRATEGIES = ("lins-planner", *FORMAT_STRATEGIES)
+STRATEGIES = ("lins-planner", *FORMAT_STRATEGIES, "lins-fsdp", "lins-zero1", "lins-zero2", "fsdp2", "hsdp", "hsdp-deferred", "hpz", "ddp",
               "ddp-bf16-hook", "ddp-powersgd")
 DDP_STRATEGIES = ("ddp", "ddp-bf16-hook", "ddp-powersgd")
 DESCRIPTIONS = {
     "lins-planner": "Lins, the planner's plan",
+    "lins-planner-compressed": "Lins, the planner's plan and wire formats (bf16 or int8 allowed on every collective)",
+    "lins-bf16": "Lins, the planner's plan and formats with bf16 allowed",
+    "lins-int8": "Lins, the planner's plan and formats with int8 allowed",
     "lins-fsdp": "Lins, fsdp preset (FSDP-equivalent plan)",
     "lins-zero1": "Lins, zero1 preset",
     "lins-zero2": "Lins, zero2 preset",
@@ -79,13 +91,13 @@ DESCRIPTIONS = {
 }
 
 
-def strategy_formats(strategy: str) -> dict | str:
+def strategy_formats(strategy: str, formats: str = "exact") -> dict | str:
     """The wire format of each state's collectives on each link level, as the results
     record it: "exact" (everything in its own dtype, fp32 here), or per state a dict of
     link level ("inter", "intra") to format. DDP all-reduces over all ranks, so a hook's
-    format is on both levels."""
+    format is on both levels; a Lins row's are its ``formats`` (CommFormats text)."""
     grads = {"ddp-bf16-hook": "bf16", "ddp-powersgd": f"powersgd-r{POWERSGD_RANK}"}.get(strategy)
-    return "exact" if grads is None else {"grads": {"inter": grads, "intra": grads}}
+    return CommFormats.parse(formats).as_json() if grads is None else {"grads": {"inter": grads, "intra": grads}}
 
 
 def formats_text(formats: dict | str) -> str:
@@ -136,10 +148,10 @@ class Strategies:
         self.model_size, self.world, self.rpn = model_size, ranks.world, ranks.per_node
         self._meshes: dict[tuple, LinsMesh | DeviceMesh] = {}
 
-    def builder(self, key: str, plan: str | None) -> Callable[[], Built]:
-        """What builds the instance ``key``: a Lins plan, or one of torch's runtimes."""
+    def builder(self, key: str, plan: str | None, formats: str = "exact") -> Callable[[], Built]:
+        """What builds the instance ``key``: a Lins plan (with its wire formats), or one of torch's runtimes."""
         if plan is not None:
-            return functools.partial(self.lins, plan)
+            return functools.partial(self.lins, plan, formats)
         if key in DDP_STRATEGIES:
             return functools.partial(self.ddp, key)
         return functools.partial(self.fsdp2, key)
@@ -157,11 +169,11 @@ class Strategies:
         return self._meshes[key]
 
     # ----- Lins ---------------------------------------------------------------------------
-    def lins(self, plan_text: str) -> Built:
+    def lins(self, plan_text: str, formats: str = "exact") -> Built:
         plan = LinsPlan.parse(plan_text, self.world)
         mesh = self.lins_mesh(plan)
         model = build_model(self.model_size)
-        apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+        apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32), comm_formats=formats)
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1, foreach=True)
 
         def context(mb: int, m_total: int) -> contextlib.AbstractContextManager:
@@ -291,11 +303,12 @@ DDP_NOTE = ("Lins ddp without per-unit host time and copies (one all-reduce per 
             "backward as DDP's buckets are)")
 
 
-def equivalent_plan(strategy: str, rpn: int, plan: str | None = None) -> Equivalent:
-    """The :class:`Equivalent` of ``strategy`` on nodes of ``rpn`` ranks (``plan``: the
-    Lins rows' own plan)."""
-    if strategy in ("lins-planner", "lins-plan"):
-        return Equivalent(plan, False, True, "the planner's own plan" if strategy == "lins-planner" else "a Lins plan given on the command line")
+def equivalent_plan(strategy: str, rpn: int, plan: str | None = None, formats: str = "exact") -> Equivalent:
+    """The :class:`Equivalent` of ``strategy`` on nodes of ``rpn`` ranks (``plan`` and
+    ``formats``: the Lins rows' own)."""
+    if strategy in PLANNER_STRATEGIES or strategy == "lins-plan":
+        note = "the planner's own plan" if strategy in PLANNER_STRATEGIES else "a Lins plan given on the command line"
+        return Equivalent(plan, False, True, note + ("" if formats == "exact" else f" and formats {formats}"), formats=formats)
     return {
         "fsdp2": Equivalent("fsdp", False, True, "costed as Lins p=N,g=N,os=N (same collectives)"),
         "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, on every micro-batch", True),

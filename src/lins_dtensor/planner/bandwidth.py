@@ -25,9 +25,26 @@ OPS = tuple(op.value for op in Op)
 
 
 def ring_factor(op: str, group_size: int) -> float:
-    """Bytes each rank sends per message byte with the ring algorithm."""
+    """Bytes each rank sends per message byte with the ring algorithm. An all-to-all (a
+    reduction in a lossy wire format) sends every chunk of its input but its own once,
+    (n-1)/n of the message, as a reduce-scatter does: what differs is only where the
+    bytes go (see :func:`cross_node_bytes`), not how many each rank sends."""
     n = group_size
     return (2.0 if op == Op.ALL_REDUCE.value else 1.0) * (n - 1) / n
+
+
+def cross_node_bytes(op: str, group_size: int, nodes: int, message_bytes: float) -> float:
+    """Bytes one group sends through each of its nodes' NICs per call. A ring crosses
+    each node boundary once, so a node's NICs carry one rank's wire bytes; an all-to-all
+    has each of the node's r ranks send its chunks for the other nodes' ranks directly,
+    (n - r)/n of its message each, which no ring or sum along the way shares: r (n-r)/n of
+    the message (the ring's (n-1)/n when the group has one rank per node)."""
+    if nodes <= 1:
+        return 0.0
+    if op == Op.ALL_TO_ALL.value:
+        r = group_size // nodes
+        return r * (group_size - r) / group_size * message_bytes
+    return ring_factor(op, group_size) * message_bytes
 
 
 def alpha_beta_seconds(hw: HardwareSpec, ranks_per_node: int, op: str, group_size: int, nodes: int, message_bytes: float) -> float:
@@ -53,7 +70,7 @@ def alpha_beta_seconds(hw: HardwareSpec, ranks_per_node: int, op: str, group_siz
     latency = steps * hw.alpha_inter
     if op == Op.ALL_REDUCE.value:
         latency = min(latency, hw.tree_alpha + hw.tree_alpha_per_doubling * math.log2(nodes))
-    return latency + max(wire / hw.intra_bw, wire / inter_share)
+    return latency + max(wire / hw.intra_bw, cross_node_bytes(op, group_size, nodes, message_bytes) / inter_share)
 
 
 def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -149,6 +166,12 @@ class CollectiveTimer:
     def seconds(self, op: str, group_size: int, nodes: int, message_bytes: float) -> float:
         if self.table is not None:
             t = self.table.seconds(op, group_size, nodes, message_bytes)
+            if t is None and op == Op.ALL_TO_ALL.value:
+                # A table from before all-to-alls were profiled: its reduce-scatter of the
+                # same shape and message sends the same bytes per rank, measured on these
+                # links, which is closer than alpha-beta (under gloo, whose reduce-scatter
+                # all-reduces, it errs slow).
+                t = self.table.seconds(Op.REDUCE_SCATTER.value, group_size, nodes, message_bytes)
             if t is not None:
                 return t
             self.fallbacks.add((op, group_size // nodes, nodes))

@@ -40,6 +40,8 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from lins_dtensor.errors import LinsConfigError
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.plan import LinsPlan, LinsPlanError
 from lins_dtensor.planner.bandwidth import BandwidthTable
 from lins_dtensor.planner.cost import PlanCost, evaluate
@@ -64,6 +66,7 @@ class Measurement:
     step_s: float
     microbatches: int | None = None  # None: the training's
     comm_exposed_s: float | dict[str, float] | None = None  # Lins' measured exposed communication per step: total, or per state
+    formats: str | None = None  # the wire formats it ran with (CommFormats text; None: exact)
 
 
 @dataclasses.dataclass
@@ -73,6 +76,7 @@ class CalibrationRun:
     training: TrainingSpec
     measurements: list[Measurement]
     plan: str | None = None  # the plan the run trained with (torchtitan's description)
+    formats: str | None = None  # and its wire formats (None: exact)
 
 
 @dataclasses.dataclass
@@ -100,6 +104,8 @@ def run_to_json(run: CalibrationRun) -> dict:
         data["bandwidth"] = run.cluster.bandwidth.to_json()
     if run.plan is not None:
         data["plan"] = run.plan
+    if run.formats is not None:
+        data["formats"] = run.formats
     return data
 
 
@@ -117,9 +123,22 @@ def _model(value: object, where: str) -> ModelSpec:
         raise PlannerError(f"{where}: bad 'model': {exc}") from None
 
 
-def _measurement(row: object, default_plan: str | None, where: str) -> Measurement:
+def _formats(value: object, where: str) -> str | None:
+    """A run's or row's wire formats, checked (None: exact)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PlannerError(f"{where}: 'formats' = {value!r} must be a string like 'grads=int8'")
+    try:
+        return str(CommFormats.parse(value))
+    except LinsConfigError as exc:
+        raise PlannerError(f"{where}: 'formats': {exc.detail}") from None
+
+
+def _measurement(row: object, default_plan: str | None, default_formats: str | None, where: str) -> Measurement:
     if not isinstance(row, dict):
         raise PlannerError(f"{where}: each measurement must be an object with 'plan' and 'step_s'")
+    formats = _formats(row.get("formats", default_formats), where)
     plan = row.get("plan", default_plan)
     step_s, m, comm = row.get("step_s"), row.get("microbatches"), row.get("comm_exposed_s")
     if not isinstance(plan, str):
@@ -132,8 +151,8 @@ def _measurement(row: object, default_plan: str | None, where: str) -> Measureme
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in values) or comm == {}:
         raise PlannerError(f"{where}: measurement of {plan}: 'comm_exposed_s' = {comm!r} must be a number >= 0 or an object of them per state")
     if isinstance(comm, dict):
-        return Measurement(plan, float(step_s), m, {str(k): float(v) for k, v in comm.items()})
-    return Measurement(plan, float(step_s), m, None if comm is None else float(comm))
+        return Measurement(plan, float(step_s), m, {str(k): float(v) for k, v in comm.items()}, formats)
+    return Measurement(plan, float(step_s), m, None if comm is None else float(comm), formats)
 
 
 def run_from_json(data: object, where: str = "calibration file") -> CalibrationRun:
@@ -158,10 +177,10 @@ def run_from_json(data: object, where: str = "calibration file") -> CalibrationR
     rows = data.get("measurements", [])
     if not isinstance(rows, list):
         raise PlannerError(f"{where}: 'measurements' must be a list")
-    plan = data.get("plan")
+    plan, formats = data.get("plan"), _formats(data.get("formats"), where)
     return CalibrationRun(
         _model(data["model"], where), ClusterSpec(gpus, rpn, hardware, table), training,
-        [_measurement(row, plan, where) for row in rows], plan if isinstance(plan, str) else None,
+        [_measurement(row, plan, formats, where) for row in rows], plan if isinstance(plan, str) else None, formats,
     )
 
 
@@ -193,7 +212,7 @@ def read_tensorboard(directory: Path) -> CalibrationRun:
         values = [e.value for e in events.Scalars(tag) if e.step in steps] if tag.startswith(EXPOSED_PREFIX) else []
         if values:
             comm[tag[len(EXPOSED_PREFIX):]] = statistics.median(values)
-    run.measurements = [Measurement(run.plan, statistics.median(steps.values()), None, comm or None)]
+    run.measurements = [Measurement(run.plan, statistics.median(steps.values()), None, comm or None, run.formats)]
     return run
 
 
@@ -217,7 +236,7 @@ def predict(run: CalibrationRun, hardware: HardwareSpec, m: Measurement) -> Plan
         plan.validate(cluster.gpus, cluster.gpus_per_node)
     except LinsPlanError as exc:
         raise PlannerError(f"measured plan '{m.plan}': {exc.detail}") from None
-    return evaluate(plan, run.model, cluster, training)
+    return evaluate(plan, run.model, cluster, training, formats=CommFormats.parse(m.formats))
 
 
 FITTED = ("efficiency", "inter_bw", "intra_bw")  # in the order they are tried

@@ -12,7 +12,8 @@ import json
 import sys
 import typing
 
-from lins_dtensor.errors import LinsError, LinsPlanError
+from lins_dtensor.errors import LinsConfigError, LinsError, LinsPlanError
+from lins_dtensor.formats import parse_allowed
 from lins_dtensor.planner.bandwidth import BandwidthTable
 from lins_dtensor.planner.calibrate import run_calibrate
 from lins_dtensor.planner.hardware import HARDWARE_PRESETS, ClusterSpec, GiB, hardware_preset, load_hardware
@@ -69,6 +70,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-at-step", action="store_true", help="gradients reduced at optimizer.step(), not in the last backward (set_requires_gradient_sync(model, False))")
     p.add_argument("--gathers-exposed", action="store_true", help="update gathers not overlapped with the next forward (worst case of the runtime)")
     p.add_argument("--tie-tolerance", type=float, default=0.02, help="near-ties within this fraction go to the plan with the least inter-node traffic")
+    p.add_argument("--allow-formats", metavar="KIND[:LEVEL]=F1|F2,...", default=None,
+                   help="wire formats Lins' collectives may take (e.g. 'grads=int8|bf16,params=bf16'; default: exact only); "
+                   "a lossy one is chosen only when it predicts a step shorter by more than --tie-tolerance")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", metavar="KEY=V1,V2,...", help=f"plan at each value of {', '.join(SWEEPABLE)} (e.g. inter-node-gbit=25,50,100,200,400) "
@@ -137,7 +141,7 @@ def search_tp(args: argparse.Namespace) -> tuple[Explanation, list[dict]]:
     for tp in (k for k in range(1, rpn + 1) if rpn % k == 0):
         try:
             model, cluster, training = build_inputs(argparse.Namespace(**{**vars(args), "tp": str(tp)}))
-            ex = search(model, cluster, training, tie_tolerance=args.tie_tolerance)
+            ex = search(model, cluster, training, tie_tolerance=args.tie_tolerance, allowed_formats=args.allow_formats)
         except (PlannerError, LinsPlanError) as exc:
             tried.append({"tp": tp, "plan": None, "step_s": None, "note": exc.detail})
             continue
@@ -170,7 +174,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     points = []
     for value in values:
         model, cluster, training = build_inputs(argparse.Namespace(**{**vars(args), dest: value}))
-        points.append(SweepPoint(value, search(model, cluster, training, tie_tolerance=args.tie_tolerance)))
+        points.append(SweepPoint(value, search(model, cluster, training, tie_tolerance=args.tie_tolerance, allowed_formats=args.allow_formats)))
     if args.plot:
         plot_sweep(key, points, args.plot)
     if args.json:
@@ -182,6 +186,11 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def run_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
+    if args.allow_formats is not None:  # a malformed list fails before any work
+        try:
+            parse_allowed(args.allow_formats)
+        except LinsConfigError as exc:
+            raise PlannerError(f"--allow-formats: {exc.detail}") from None
     if args.sweep:
         return run_sweep(args)
     if args.plot:
@@ -190,7 +199,7 @@ def run_plan(argv: list[str]) -> int:
         explanation, tried = search_tp(args)
     else:
         model, cluster, training = build_inputs(args)
-        explanation, tried = search(model, cluster, training, tie_tolerance=args.tie_tolerance), []
+        explanation, tried = search(model, cluster, training, tie_tolerance=args.tie_tolerance, allowed_formats=args.allow_formats), []
     if args.json:
         print(json.dumps({**to_json(explanation, args.top), **({"tp_search": tried} if tried else {})}))
     else:

@@ -17,6 +17,11 @@ runtime sends. Overlap follows who issues each collective (``CollectiveSpec.issu
   inside a node cannot hide (``intra_comm_hides``: the emulated CPU cluster, whose
   loopback copies run on the cores that compute), Lins' intra-node ones are exposed.
 
+Lins' collectives in a lossy wire format (``formats``, :mod:`lins_dtensor.formats`) are
+the encoded collectives ``step_collectives`` counts for them, classified by the spec
+they come from (a lossy all-reduce's all-gather half is a step reduction, not an update
+gather); their encode and decode work is compute of their phase.
+
 Compute is the model's kernels at the device's compute curve
 (:mod:`lins_dtensor.planner.compute`), plus the memory-bound work around the collectives (:func:`lins_dtensor.schedule.local_copy_bytes` at the copy bandwidth) and
 the host time per unit of FSDP2's hooks (where P is sharded) or Lins' gradient hooks
@@ -28,8 +33,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.plan import LinsPlan
-from lins_dtensor.planner.bandwidth import CollectiveTimer
+from lins_dtensor.planner.bandwidth import CollectiveTimer, cross_node_bytes
 from lins_dtensor.planner.compute import StepCompute, step_compute
 from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import MemoryBreakdown, memory_breakdown, rank0_units
@@ -39,9 +45,12 @@ from lins_dtensor.schedule import (
     ALL_SPECS,
     GRAD_NORM_ALL_REDUCE,
     GRAD_SHARD_REDUCE_SCATTER,
+    UPDATE_GATHER_GRAD,
+    UPDATE_GATHER_OPTIM,
     CollectiveRecord,
     Op,
     Phase,
+    codec_values,
     local_copy_bytes,
     step_collectives,
 )
@@ -49,15 +58,22 @@ from lins_dtensor.schedule import (
 PHASE_OF = {spec.name: spec.phase.value for spec in ALL_SPECS}
 ISSUER_OF = {spec.name: spec.issuer for spec in ALL_SPECS}
 PHASES = tuple(p.value for p in Phase)
+# The update gathers (masters back to P), by name: a lossy all-reduce's second half is an
+# all-gather too, but one of the step's reduction chain.
+UPDATE_GATHERS = frozenset((UPDATE_GATHER_OPTIM.name, UPDATE_GATHER_GRAD.name))
 
 
 def network_bytes(record: CollectiveRecord) -> float:
     """Bytes per rank that cross the node boundary: a ring with r ranks on each node
     crosses it once per node, so its wire bytes are shared by the r ranks' NIC shares;
-    for an intra-node group this is its (NVLink) wire bytes."""
+    an all-to-all's ranks each send their own (:func:`cross_node_bytes`); for an
+    intra-node group this is its (NVLink) wire bytes."""
     if record.nodes <= 1:
         return record.wire_bytes
-    return record.wire_bytes / (record.group_size // record.nodes)
+    r = record.group_size // record.nodes
+    if record.op is Op.ALL_TO_ALL:
+        return cross_node_bytes(record.op.value, record.group_size, record.nodes, record.message_bytes) * record.count / r
+    return record.wire_bytes / r
 
 
 @dataclasses.dataclass
@@ -79,6 +95,8 @@ class PlanCost:
     records: list[CollectiveRecord]
     record_s: list[float]  # time of each record (all its calls)
     record_phase: list[str]  # the phase each record runs in
+    formats: CommFormats = CommFormats()  # the wire formats of Lins' collectives
+    codec_s: dict[str, float] = dataclasses.field(default_factory=dict)  # per step, the lossy formats' encode/decode (in compute_s)
 
     @property
     def hfu(self) -> float:
@@ -119,8 +137,13 @@ def evaluate(
     timer: CollectiveTimer | None = None,
     extra_backward: Sequence[CollectiveRecord] = (),
     fsdp2_reductions: bool = False,
+    formats: CommFormats = CommFormats(),
 ) -> PlanCost:
-    """Predict memory and step time of ``plan`` (assumed valid for the cluster).
+    """Predict memory and step time of ``plan`` (assumed valid for the cluster) with
+    Lins' collectives in the wire ``formats``: their encoded collectives, the encode and
+    decode work (:func:`lins_dtensor.schedule.codec_values`, at the hardware's
+    ``codec_seconds``) as compute of its phase, and their buffers and error-feedback
+    residuals in memory.
 
     For the benchmark's costing of other runtimes with a plan's collectives:
     ``extra_backward`` adds collectives another runtime issues in backward (stock HSDP's
@@ -130,12 +153,13 @@ def evaluate(
     hw = cluster.hardware
     m = training.microbatches(cluster.dp_ranks)
     units = rank0_units(tensor_parallel_local(model, cluster.tp), plan)
-    memory = memory_breakdown(model, plan, training, units, cluster.tp)
+    memory = memory_breakdown(model, plan, training, units, cluster.tp, formats=formats, world_size=cluster.dp_ranks,
+                              ranks_per_node=cluster.dp_per_node)
 
     def collectives(of_units, microbatches: int, norm: bool) -> list[CollectiveRecord]:
         return step_collectives(
             plan, of_units, world_size=cluster.dp_ranks, ranks_per_node=cluster.dp_per_node, microbatches=microbatches,
-            param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, clip_grad_norm=norm, tp=cluster.tp,
+            param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, clip_grad_norm=norm, tp=cluster.tp, formats=formats,
         )
 
     def seconds(record: CollectiveRecord) -> float:
@@ -145,7 +169,7 @@ def evaluate(
     record_phase = [PHASE_OF[r.name] for r in records]
     issuer = [ISSUER_OF[r.name] for r in records]
     for i, r in enumerate(records):
-        if fsdp2_reductions and record_phase[i] == Phase.STEP.value and r.op.value != "all_gather":
+        if fsdp2_reductions and record_phase[i] == Phase.STEP.value and r.name not in UPDATE_GATHERS:
             record_phase[i], issuer[i] = Phase.BACKWARD.value, "fsdp2"
     records += list(extra_backward)
     record_phase += [Phase.BACKWARD.value] * len(extra_backward)
@@ -171,6 +195,14 @@ def evaluate(
     hooks = m * len(units) * per_unit  # split like the FLOPs
     compute["forward"] += hooks / 3
     compute["backward"] += 2 * hooks / 3
+    codec = codec_values(
+        plan, units, world_size=cluster.dp_ranks, ranks_per_node=cluster.dp_per_node, microbatches=m,
+        param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, formats=formats,
+    )
+    codec_s = {phase: sum((values * hw.codec_seconds(fmt) for fmt, values in by_format.items()), 0.0) for phase, by_format in codec.items()}
+    for phase, seconds_codec in codec_s.items():
+        if seconds_codec:
+            compute[phase] += seconds_codec
 
     exposed, exposed_state = _exposed(records, record_s, record_phase, issuer, compute, m, training,
                                       _first_unit_chains(collectives, seconds, units, hw.intra_comm_hides), hw.intra_comm_hides)
@@ -181,7 +213,7 @@ def evaluate(
     mfu = kernels.model_flops / (step_s * hw.peak_flops)
     return PlanCost(
         plan, m, memory, cluster.memory_budget, compute, kernels, comm, exposed, exposed_state, step_s, mfu, tokens * cluster.dp_ranks / step_s,
-        records, record_s, record_phase,
+        records, record_s, record_phase, formats, codec_s,
     )
 
 
@@ -217,7 +249,7 @@ def _first_unit_chains(collectives, seconds, units, intra_hides: bool) -> tuple[
     reduce_s = gather_s = 0.0
     for r in collectives(units[:1], 1, False):
         if PHASE_OF[r.name] == Phase.STEP.value and _can_hide(r, intra_hides):
-            if r.op.value == "all_gather":
+            if r.name in UPDATE_GATHERS:
                 gather_s += seconds(r)
             else:
                 reduce_s += seconds(r)
@@ -248,7 +280,7 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
             continue
         elif r.name == GRAD_NORM_ALL_REDUCE.name:
             part = norm
-        elif r.op.value == "all_gather":
+        elif r.name in UPDATE_GATHERS:
             part = gathers
         else:
             part = reductions

@@ -49,10 +49,21 @@ import json
 import math
 from pathlib import Path
 
+from lins_dtensor.formats import FORMATS
 from lins_dtensor.planner.models import PlannerError, read_json
 
 GiB = 1 << 30
 GB = 1e9
+
+
+# HBM bytes read plus written per value encoded or decoded by formats.WireFormat's
+# eager PyTorch kernels, a GPU's codec rate without a profile (memory-bound elementwise
+# work, each kernel a pass over its operands): bf16 is one cast each way (fp32 in, bf16
+# out: 6 bytes; back: 6). int8 encodes through a zeroed fp32 copy (4 + 8), abs and the
+# blocks' amax (8 + 4), a divide, round and clamp (8 each), the int8 cast (5) and the copy
+# into the wire buffer (2): 55 bytes; it decodes with a cast (5) and a multiply by the
+# scales (8): 13; 34 bytes a value on average.
+CODEC_BYTES_PER_VALUE = {"bf16": 6.0, "int8": 34.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +108,20 @@ class HardwareSpec:
     # probe on CPU): it covers the elementwise work and the GEMMs' memory traffic, which
     # are then not timed apart at hbm_bw.
     whole_step_rate: bool = True
+    # Seconds per value encoded or decoded in each lossy wire format (lins_dtensor.formats),
+    # as ``lins-plan profile`` measures them; a format not named here is timed as the
+    # memory-bound work of CODEC_BYTES_PER_VALUE at hbm_bw (not hashed: a dict).
+    codec_s_per_value: dict[str, float] = dataclasses.field(default_factory=dict, hash=False)
 
     @property
     def copy_bandwidth(self) -> float:
         return self.hbm_bw if self.copy_bw is None else self.copy_bw
+
+    def codec_seconds(self, fmt: str) -> float:
+        """Seconds to encode or decode one value in the wire format ``fmt``."""
+        if fmt in self.codec_s_per_value:
+            return self.codec_s_per_value[fmt]
+        return CODEC_BYTES_PER_VALUE[fmt] / self.hbm_bw
 
     def rank_memory(self, world_size: int) -> float:
         return self.memory_bytes / world_size if self.memory_shared_by_world else self.memory_bytes
@@ -140,6 +161,9 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         "cpu-emulated", 2, 24 * GiB, 30e9, 0.35 * GB, 400e6 / 8, 10e9,
         alpha_intra=50e-6, alpha_inter=200e-6, tree_alpha=math.inf, efficiency=0.5, reserved_bytes=0.3 * GiB, memory_shared_by_world=True,
         reduce_scatter_is_all_reduce=True, intra_comm_hides=False,
+        # measure_codec_rates on the benchmark host, one thread as each emulated rank runs
+        # (medians of 7; the eager int8 kernels are compute-bound there, not at hbm_bw).
+        codec_s_per_value={"bf16": 0.61e-9, "int8": 29e-9},
     ),
 }
 # Names that other presets went by: "a100" and "h100" are the 80 GB SXM parts most
@@ -230,7 +254,8 @@ def hardware_from_json(data: object, where: str = "hardware file") -> HardwareSp
     unknown = sorted(set(data) - set(fields) - {"format"})
     if unknown:
         raise PlannerError(f"{where}: unknown field '{unknown[0]}'")
-    missing = [name for name, f in fields.items() if f.default is dataclasses.MISSING and name not in data]
+    missing = [name for name, f in fields.items()
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in data]
     if missing:
         raise PlannerError(f"{where}: missing field '{missing[0]}'")
     kwargs: dict = {}
@@ -241,6 +266,8 @@ def hardware_from_json(data: object, where: str = "hardware file") -> HardwareSp
         try:
             if key == "name":
                 kwargs[key] = str(value)
+            elif key == "codec_s_per_value":
+                kwargs[key] = _codec_rates(value)
             elif isinstance(default, bool):
                 if not isinstance(value, bool):
                     raise ValueError
@@ -264,6 +291,18 @@ def hardware_from_json(data: object, where: str = "hardware file") -> HardwareSp
         if kwargs.get(key, 0) > 1:
             raise PlannerError(f"{where}: '{key}' = {kwargs[key]} must be in (0, 1]")
     return HardwareSpec(**kwargs)
+
+
+def _codec_rates(value: object) -> dict[str, float]:
+    """A hardware file's ``codec_s_per_value``: positive seconds per lossy format's name."""
+    if not isinstance(value, dict):
+        raise ValueError
+    rates = {}
+    for name, rate in value.items():
+        if name not in FORMATS or not FORMATS[name].lossy or isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise ValueError
+        rates[name] = float(rate)
+    return rates
 
 
 def save_hardware(hw: HardwareSpec, path: str | Path) -> None:

@@ -14,11 +14,21 @@ import math
 
 import torch
 
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.mesh import MESH_DIMS
 from lins_dtensor.plan import LinsPlan
-from lins_dtensor.planner.models import ModelSpec, block_matmuls, shapes_numel, tensor_parallel_local
+from lins_dtensor.planner.models import ModelSpec, PlannerError, block_matmuls, shapes_numel, tensor_parallel_local
 from lins_dtensor.planner.training import TrainingSpec
-from lins_dtensor.schedule import UnitGeometry, UnitSchedule, chain_buffer_bytes, default_max_inflight_bytes, state_memory_bytes
+from lins_dtensor.schedule import (
+    Encoded,
+    UnitGeometry,
+    UnitSchedule,
+    chain_buffer_bytes,
+    default_max_inflight_bytes,
+    encoded_collectives,
+    error_feedback_bytes,
+    state_memory_bytes,
+)
 
 GiB = 1 << 30
 
@@ -82,6 +92,7 @@ class MemoryBreakdown:
     activations: int
     buffers: int  # gathered parameters and gradient/reduce buffers during forward/backward
     step_buffers: int  # optimizer-step gradients and pack buffers (activations freed)
+    error_feedback: int = 0  # lossy gradient formats' fp32 residuals, kept from step to step
 
     @property
     def states(self) -> int:
@@ -89,22 +100,34 @@ class MemoryBreakdown:
 
     @property
     def peak(self) -> int:
-        return self.states + max(self.activations + self.buffers, self.step_buffers)
+        return self.states + self.error_feedback + max(self.activations + self.buffers, self.step_buffers)
 
     def gib(self) -> dict[str, float]:
-        keys = ("params", "grads", "optim", "activations", "buffers", "step_buffers")
+        keys = ("params", "grads", "optim", "error_feedback", "activations", "buffers", "step_buffers")
         out = {k: round(getattr(self, k) / GiB, 3) for k in keys}
         out["peak"] = round(self.peak / GiB, 3)
         return out
 
 
 def memory_breakdown(
-    model: ModelSpec, plan: LinsPlan, training: TrainingSpec, units: list[UnitSchedule] | None = None, tp: int = 1,
+    model: ModelSpec, plan: LinsPlan, training: TrainingSpec, units: list[UnitSchedule] | None = None, tp: int = 1, *,
+    formats: CommFormats = CommFormats(), world_size: int | None = None, ranks_per_node: int | None = None,
 ) -> MemoryBreakdown:
     """``tp``: each rank holds its tensor-parallel slice of the parameters and, with
-    sequence parallelism, 1/tp of the activations."""
+    sequence parallelism, 1/tp of the activations. Lossy ``formats`` add their encoded
+    buffers to the chains and their error-feedback residuals (as
+    :mod:`lins_dtensor.schedule` counts both); which collectives take them depends on
+    the links, so they need the data-parallel ``world_size`` and ``ranks_per_node``."""
     units = rank0_units(tensor_parallel_local(model, tp), plan) if units is None else units
     pb, rb = training.param_bytes, training.reduce_bytes
+    feedback = 0
+    encoded: list[list[Encoded]] = [[] for _ in units]
+    if formats.lossy:
+        if world_size is None or ranks_per_node is None:
+            raise PlannerError("memory_breakdown: lossy formats need world_size and ranks_per_node")
+        where = dict(world_size=world_size, ranks_per_node=ranks_per_node, microbatches=1, param_bytes=pb, reduce_bytes=rb, formats=formats)
+        feedback = error_feedback_bytes(plan, units, **where)
+        encoded = [[e for e, _ in encoded_collectives(plan, [u], **where)] for u in units]
     states = state_memory_bytes(units, param_bytes=pb, reduce_bytes=rb, master_bytes=training.master_bytes, optim_states=training.optim_states)
     biggest = max((u.geometry.params.total_numel for u in units), default=0)
     if plan.params > 1:
@@ -128,11 +151,12 @@ def memory_breakdown(
     # twice the largest chain's), and each unit's reduced OS-layout gradient, held from
     # its reduction (in the last backward) to the end of the step unless it is the G
     # buffer itself.
-    chains = [chain_buffer_bytes(u.geometry, param_bytes=pb, reduce_bytes=rb, master_bytes=training.master_bytes) for u in units]
+    chains = [chain_buffer_bytes(u.geometry, param_bytes=pb, reduce_bytes=rb, master_bytes=training.master_bytes, encoded=e)
+              for u, e in zip(units, encoded)]
     in_flight = default_max_inflight_bytes(chains)
     os_grads = sum(u.geometry.optim.chunk_numel * rb for u in units if not u.geometry.os_is_g_chunk)
     buffers += in_flight + (os_grads if training.reduce_in_backward else 0)
     step = os_grads + in_flight
     if rb != training.master_bytes:  # the masters' gradients, cast from the reduce dtype
         step += sum(u.geometry.optim.chunk_numel for u in units) * training.master_bytes
-    return MemoryBreakdown(states["params"], states["grads"], states["optim"], activation_bytes(model, training) // tp, buffers, step)
+    return MemoryBreakdown(states["params"], states["grads"], states["optim"], activation_bytes(model, training) // tp, buffers, step, feedback)

@@ -13,7 +13,9 @@ fp32, small shapes, host timers), to which the ceilings of the curve in
 :mod:`lins_dtensor.planner.compute` are fitted: the GEMM ceiling, attention's ceiling and
 half-rate sequence length, and its backward/forward time ratio. They are kernel rates,
 so the scale ``efficiency`` (the distance of a training step from them) stays the
-preset's until ``lins-plan calibrate`` fits it to a run.
+preset's until ``lins-plan calibrate`` fits it to a run. The same file gets the lossy
+wire formats' encode and decode rates on this device (:func:`measure_codec_rates`,
+``codec_s_per_value``), at which the planner times their codec work.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lins_dtensor.compat import all_gather_single, reduce_scatter_single
+from lins_dtensor.formats import FORMATS
 from lins_dtensor.plan import valid_plans
 from lins_dtensor.planner.bandwidth import BandwidthTable, monotone
 from lins_dtensor.planner.compute import attention, gemm
 from lins_dtensor.planner.hardware import HardwareSpec, hardware_preset, save_hardware
 from lins_dtensor.planner.models import PlannerError
-from lins_dtensor.schedule import ALL_SPECS, group_size, group_stride, nodes_spanned
+from lins_dtensor.schedule import ALL_SPECS, LOSSY_CAPABLE, Op, group_size, group_stride, nodes_spanned
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -59,10 +62,13 @@ def message_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
 
 
 def needed_shapes(world_size: int, ranks_per_node: int) -> list[tuple[str, int, int]]:
-    """(op, group ranks per node, nodes) of every collective any valid plan issues."""
+    """(op, group ranks per node, nodes) of every collective any valid plan issues, in
+    any wire format (a lossy reduction is an all-to-all, see ``schedule.Encoded``)."""
     shapes: set[tuple[str, int, int]] = set()
     for plan in valid_plans(world_size, ranks_per_node, with_hpz=True):
         groups = [(spec.op.value, group_size(plan, world_size, spec.mesh_dim), group_stride(plan, spec.mesh_dim)) for spec in ALL_SPECS]
+        groups += [(Op.ALL_TO_ALL.value, group_size(plan, world_size, spec.mesh_dim), group_stride(plan, spec.mesh_dim))
+                   for spec in LOSSY_CAPABLE if spec.op is not Op.ALL_GATHER]
         if not isinstance(plan.reshard_after_forward, bool):
             groups.append(("all_gather", plan.reshard_after_forward, 1))
         for op, size, stride in groups:
@@ -102,13 +108,16 @@ def profile_bandwidth(
         group, n = groups_by_shape[(r, m)], r * m
         points = []
         for nbytes in sizes:
-            numel = max(n, (nbytes // elem) // n * n)  # the message: AG output / RS input / AR tensor
+            numel = max(n, (nbytes // elem) // n * n)  # the message: AG output / RS and all-to-all input / AR tensor
             big = torch.ones(numel, dtype=dtype, device=device)
             small = torch.ones(numel // n, dtype=dtype, device=device)
             if op == "all_gather":
                 call = lambda: all_gather_single(big, small, group=group)  # noqa: E731
             elif op == "reduce_scatter":
                 call = lambda: reduce_scatter_single(small, big, group=group)  # noqa: E731
+            elif op == "all_to_all":
+                out = torch.empty_like(big)
+                call = lambda: dist.all_to_all_single(out, big, group=group)  # noqa: E731
             else:
                 call = lambda: dist.all_reduce(big, group=group)  # noqa: E731
             call()
@@ -212,6 +221,26 @@ def measure_kernels(shapes: KernelShapes, device: torch.device, dtype: torch.dty
     return gemms, attentions
 
 
+CODEC_VALUES = 1 << 22  # 4M values: each kernel a pass over a buffer far beyond the caches
+
+
+def measure_codec_rates(device: torch.device, numel: int = CODEC_VALUES, iters: int = 5) -> dict[str, float]:
+    """Seconds per value encoded or decoded by each lossy wire format's own kernels
+    (:mod:`lins_dtensor.formats`) on ``device``: fp32 values cut into one row, as
+    :func:`lins_dtensor.schedule.codec_values` counts values (each encode and each
+    decode of a value once), so the rate is the mean of the two passes."""
+    values = torch.randn(numel, device=device)
+    rates = {}
+    for name, fmt in FORMATS.items():
+        if not fmt.lossy:
+            continue
+        out = torch.empty(fmt.chunk_bytes(numel, 4), dtype=torch.uint8, device=device)
+        encode_s = _seconds(lambda: fmt.encode(values, 1, out), device, iters)
+        decode_s = _seconds(lambda: fmt.decode(out, 1, numel), device, iters)
+        rates[name] = (encode_s + decode_s) / (2 * numel)
+    return rates
+
+
 def _minimize(f: Callable[[float], float], lo: float, hi: float, points: int = 25, iters: int = 60) -> float:
     """The minimum of a one-dimensional loss on [lo, hi]: the best of a grid, refined by
     golden-section search between its neighbours."""
@@ -269,7 +298,8 @@ def profile_compute(base: HardwareSpec, device: torch.device, iters: int = 5) ->
     shapes, dtype = (GPU_SHAPES, torch.bfloat16) if device.type == "cuda" else (CPU_SHAPES, torch.float32)
     element_bytes = torch.empty((), dtype=dtype).element_size()
     gemms, attentions = measure_kernels(shapes, device, dtype, iters)
-    hw = fit_compute_curve(base, gemms, attentions, element_bytes)
+    codec = measure_codec_rates(device, iters=iters)
+    hw = dataclasses.replace(fit_compute_curve(base, gemms, attentions, element_bytes), codec_s_per_value=codec)
     kernel_rates = dataclasses.replace(hw, efficiency=1.0)
     raised = f", raised to {hw.peak_flops / 1e12:.4g}: this device beats it" if hw.peak_flops > base.peak_flops else ""
     lines = [f"compute curve of {device} ({dtype}) as shares of {base.name}'s peak {base.peak_flops / 1e12:.4g} TFLOP/s{raised}:",
@@ -283,6 +313,8 @@ def profile_compute(base: HardwareSpec, device: torch.device, iters: int = 5) ->
     for t in attentions:
         k = attention(kernel_rates, t.batch, t.heads, t.seq_len, t.head_dim)
         lines.append(f"  {f'attention fwd seq {t.seq_len} x{t.batch}':<30} {k.flops / t.forward_s / 1e12:17.4g} {k.flops / k.seconds / 1e12:14.4g}")
+    lines.append("  wire formats' encode/decode (codec_s_per_value), ns per value: "
+                 + ", ".join(f"{name} {rate * 1e9:.3g} (preset {base.codec_seconds(name) * 1e9:.3g})" for name, rate in codec.items()))
     return hw, "\n".join(lines)
 
 
@@ -297,9 +329,9 @@ def _write_compute_profile(preset: str, out: str, iters: int) -> None:
 
 
 def run_profile(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lins-plan profile", description="Measure all_gather / reduce_scatter / all_reduce times "
+    p = argparse.ArgumentParser(prog="lins-plan profile", description="Measure all_gather / reduce_scatter / all_reduce / all_to_all times "
                                 "for every group shape the planner needs (--out; run under torchrun), and/or this device's GEMM and "
-                                "attention rates (--hardware-out; no torchrun needed).")
+                                "attention rates and wire formats' encode/decode rates (--hardware-out; no torchrun needed).")
     p.add_argument("--out", help="bandwidth table JSON to write (rank 0)")
     p.add_argument("--hardware-out", metavar="FILE", help="fit --hardware's compute curve to this device's kernels and write a "
                    "hardware file for --hardware-file (under torchrun: rank 0's device)")

@@ -21,6 +21,7 @@ def plan_record(cost: PlanCost, ranks_per_node: int) -> dict:
     split = plan.split(ranks_per_node)
     return {
         "plan": str(plan),
+        "formats": cost.formats.as_json(),
         "params": plan.params,
         "grads": plan.grads,
         "optim": plan.optim,
@@ -35,6 +36,7 @@ def plan_record(cost: PlanCost, ranks_per_node: int) -> dict:
         "over_budget_gib": round(max(0.0, cost.over_bytes) / GiB, 3),
         "compute_s": {k: round(v, 6) for k, v in cost.compute_s.items()},
         "compute_terms": [term.record() for term in cost.kernels.terms],
+        "codec_s": {k: round(v, 6) for k, v in cost.codec_s.items()},
         "comm_s": {k: round(v, 6) for k, v in cost.comm_s.items()},
         "exposed_comm_s": {k: round(v, 6) for k, v in cost.exposed_s.items()},
         "network_gb_per_rank": {link: round(cost.link_bytes(link) / 1e9, 4) for link in ("intra", "inter")},
@@ -96,6 +98,11 @@ def to_json(ex: Explanation, top: int = 10) -> dict:
     }
 
 
+def plan_text(cost: PlanCost) -> str:
+    """The plan, and its wire formats when any is lossy."""
+    return f"{cost.plan} {cost.formats}" if cost.formats.lossy else str(cost.plan)
+
+
 def split_text(cost: PlanCost, rpn: int) -> str:
     split = cost.plan.split(rpn)
     return " | ".join(f"{a}x{b}" for a, b in split.values())
@@ -114,7 +121,7 @@ def _row(label: str, cost: PlanCost | None, rpn: int, win: PlanCost, note: str =
     mem = f"{cost.memory.peak / GiB:6.1f}" + ("" if cost.fits else f" (OOM +{cost.over_bytes / GiB:.1f})")
     speed = f"{cost.step_s / win.step_s:6.2f}x"
     return (
-        f"  {label:<16} {str(cost.plan):<26} {split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}% "
+        f"  {label:<16} {plan_text(cost):<26} {split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}% "
         f"{mem:<16} {cost.link_bytes('inter') / 1e9:8.2f} {speed}"
     )
 
@@ -156,7 +163,11 @@ def to_text(ex: Explanation, top: int = 10) -> str:
     lines.append(
         f"  {'':<16} memory GiB: P {m['params']:.2f}  G {m['grads']:.2f}  OS {m['optim']:.2f}  "
         f"activations {m['activations']:.2f}  buffers {m['buffers']:.2f}  step {m['step_buffers']:.2f}"
+        + (f"  error feedback {m['error_feedback']:.2f}" if win.memory.error_feedback else "")
     )
+    if win.formats.lossy:
+        codec = ", ".join(f"{phase} {t:.3g} s" for phase, t in win.codec_s.items() if t)
+        lines.append(f"  {'':<16} wire formats {win.formats}: encode/decode {codec or '0 s'} per step (in compute)")
     lines += ["", "Compute of the chosen plan per step (the efficiency is the share of peak FLOP/s each kind of kernel ran at):"]
     lines += [f"  {'':<16} {compute_term_text(t)}" for t in win.kernels.terms]
     lines += ["", "Baselines:"]

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
+from lins_dtensor.errors import LinsConfigError
+from lins_dtensor.formats import CommFormats, format_choices, parse_allowed
 from lins_dtensor.plan import LinsPlan, LinsPlanError, valid_plans
 from lins_dtensor.planner.bandwidth import CollectiveTimer
 from lins_dtensor.planner.cost import PlanCost, evaluate
@@ -17,6 +20,7 @@ from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import GiB, figure
 from lins_dtensor.planner.models import ModelSpec, PlannerError, model_from_module, model_from_text
 from lins_dtensor.planner.training import TrainingSpec
+from lins_dtensor.schedule import LOSSY_CAPABLE, group_size, group_stride, link_level
 
 # (display name, preset text; {k} is the node size)
 BASELINES = (
@@ -27,6 +31,10 @@ BASELINES = (
     ("HSDP/MiCS", "mics:{k}"),
     ("ZeRO++ hpZ", "hpz:{k}"),
 )
+
+
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}  # what CommFormats.check reads of a dtype: its size
+_FORMAT_KEYS = tuple(field.name for field in dataclasses.fields(CommFormats))
 
 
 @dataclasses.dataclass
@@ -50,10 +58,15 @@ class Explanation:
     baselines: list[Baseline]
     reason: str
     table_fallbacks: list[tuple[str, int, int]]  # shapes timed by alpha-beta though a table was given
+    exact: PlanCost | None = None  # with allowed formats: the plan chosen among exact ones alone
 
     @property
     def plan(self) -> LinsPlan:
         return self.cost.plan
+
+    @property
+    def formats(self) -> CommFormats:
+        return self.cost.formats
 
     @property
     def microbatches(self) -> int:
@@ -89,9 +102,35 @@ def baseline_plans(world: int, ranks_per_node: int, tp: int = 1) -> list[tuple[s
 
 
 def _sort_key(cost: PlanCost) -> tuple:
-    # Fastest first; on a tie, less memory, then fewer sharded states (simpler).
+    # Fastest first; on a tie, less memory, then fewer sharded states (simpler), then exact.
     p = cost.plan
-    return (round(cost.step_s, 9), cost.memory.peak, p.params, p.grads, p.optim)
+    return (round(cost.step_s, 9), cost.memory.peak, p.params, p.grads, p.optim, cost.formats.lossy, str(cost.formats))
+
+
+def allowed_choices(allowed_formats: str | dict | None) -> list[CommFormats]:
+    """The :class:`CommFormats` the planner may choose from, exact first: ``None`` is exact
+    only; text as ``formats.parse_allowed`` reads it (a one-line LinsConfigError when
+    malformed), or its result (kind_level -> format names)."""
+    if allowed_formats is None:
+        return [CommFormats()]
+    allowed = parse_allowed(allowed_formats) if isinstance(allowed_formats, str) else allowed_formats
+    return list(format_choices({key: ("exact", *(n for n in names if n != "exact")) for key, names in allowed.items()}))
+
+
+def effective_formats(formats: CommFormats, plan: LinsPlan, cluster: ClusterSpec, training: TrainingSpec) -> CommFormats | None:
+    """``formats`` with each kind and link level where ``plan`` issues no Lins collective
+    set back to exact (the same records and cost as that choice), or None when the
+    runtime would refuse them (``CommFormats.check``: bf16 gathers of bf16 parameters)."""
+    try:
+        formats.check(param_dtype=_DTYPES[training.param_bytes], reduce_dtype=_DTYPES[training.reduce_bytes])
+    except LinsConfigError:
+        return None
+    used = set()
+    for spec in LOSSY_CAPABLE:
+        size = group_size(plan, cluster.dp_ranks, spec.mesh_dim)
+        if size > 1:
+            used.add(f"{spec.carries}_{link_level(size, group_stride(plan, spec.mesh_dim), cluster.dp_per_node)}")
+    return dataclasses.replace(formats, **{key: "exact" for key in _FORMAT_KEYS if key not in used})
 
 
 def fastest_fitting_baseline(baselines: list[Baseline]) -> Baseline | None:
@@ -105,7 +144,7 @@ def explain_winner(win: PlanCost, baselines: list[Baseline]) -> str:
     best = fastest_fitting_baseline(baselines)
     if best is None:
         return f"{win.plan} fits in memory ({figure(win.memory.peak / GiB)} GiB) where none of the named baselines does"
-    if best.plan == win.plan:
+    if best.plan == win.plan and not win.formats.lossy:
         return f"the fastest plan is {best.name} itself ({win.plan}); no other sharding of P, G, OS predicts a shorter step"
     w, b = win.by_link(exposed=True), best.cost.by_link(exposed=True)  # type: ignore[union-attr]
     keys = set(w) | set(b)
@@ -140,18 +179,38 @@ def pick_winner(ranked: list[PlanCost], tie_tolerance: float) -> PlanCost:
     return min(near, key=lambda c: (round(c.link_bytes("inter") / 1e6), round(c.link_bytes("intra") / 1e6), c.memory.peak, c.step_s))
 
 
-def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *, tie_tolerance: float = 0.02, **module_hints) -> Explanation:
-    """Cost every valid plan (hpZ variants included); raise PlannerError if none fits."""
+def explain_formats(win: PlanCost, exact: PlanCost) -> str:
+    """What lossy formats bought: the step time and inter-node bytes against the plan
+    chosen among exact ones."""
+    return (
+        f"lossy formats {win.formats} save {exact.step_s - win.step_s:.3g} s per step over the fastest exact plan {exact.plan} "
+        f"(inter-node bytes {figure(exact.link_bytes('inter') / 1e6)} -> {figure(win.link_bytes('inter') / 1e6)} MB per rank)"
+    )
+
+
+def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *, tie_tolerance: float = 0.02,
+           allowed_formats: str | dict | None = None, **module_hints) -> Explanation:
+    """Cost every valid plan (hpZ variants included), with each wire format of Lins'
+    collectives that ``allowed_formats`` permits (:func:`allowed_choices`; None: exact
+    only); raise PlannerError if none fits.
+
+    Lossy formats cost accuracy the model does not see, so one is chosen only when it
+    predicts a step shorter than the plan chosen among exact ones by more than
+    ``tie_tolerance`` (the model's own uncertainty); otherwise the exact choice stands."""
+    choices = allowed_choices(allowed_formats)  # a bad text fails before any costing
     spec = resolve_model(model, **module_hints)
     training = training or TrainingSpec()
     training.microbatches(cluster.dp_ranks)  # fail early on an impossible batch
     timer = CollectiveTimer(cluster.hardware, cluster.gpus_per_node, cluster.bandwidth)  # type: ignore[arg-type]
-    costs: dict[LinsPlan, PlanCost] = {}
+    costs: dict[tuple[LinsPlan, CommFormats], PlanCost] = {}
     for plan in valid_plans(cluster.dp_ranks, cluster.dp_per_node, with_hpz=True, tp=cluster.tp):
-        costs[plan] = evaluate(plan, spec, cluster, training, timer)
+        for formats in choices:
+            applied = effective_formats(formats, plan, cluster, training) if formats.lossy else formats
+            if applied is not None and (plan, applied) not in costs:
+                costs[(plan, applied)] = evaluate(plan, spec, cluster, training, timer, formats=applied)
     baselines = []
     for name, plan, note in baseline_plans(cluster.dp_ranks, cluster.dp_per_node, cluster.tp):
-        cost = None if plan is None else costs.get(plan) or evaluate(plan, spec, cluster, training, timer)
+        cost = None if plan is None else costs.get((plan, CommFormats())) or evaluate(plan, spec, cluster, training, timer)
         baselines.append(Baseline(name, plan, cost, note))
     ranked = sorted((c for c in costs.values() if c.fits), key=_sort_key)
     dropped = sorted((c for c in costs.values() if not c.fits), key=lambda c: c.over_bytes)
@@ -162,18 +221,27 @@ def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *,
             f"{figure(least.memory.peak / GiB)} GiB per rank, {figure(least.over_bytes / GiB)} GiB over the "
             f"{figure(cluster.memory_budget / GiB)} GiB budget"
         )
-    win = pick_winner(ranked, tie_tolerance)
+    exact_ranked = [c for c in ranked if not c.formats.lossy]
+    exact = pick_winner(exact_ranked, tie_tolerance) if exact_ranked else None
+    lossy = [c for c in ranked if c.formats.lossy and (exact is None or c.step_s * (1 + tie_tolerance) < exact.step_s)]
+    pool = lossy or exact_ranked
+    win = pick_winner(pool, tie_tolerance)
     reason = explain_winner(win, baselines)
-    if win is not ranked[0]:
+    if win is not pool[0]:
         reason += (
-            f"; the fastest prediction, {ranked[0].plan}, is only {win.step_s / ranked[0].step_s - 1:.1%} faster "
-            f"but sends {figure(ranked[0].link_bytes('inter') / 1e9)} GB per rank across nodes vs {figure(win.link_bytes('inter') / 1e9)}"
+            f"; the fastest prediction, {pool[0].plan}, is only {win.step_s / pool[0].step_s - 1:.1%} faster "
+            f"but sends {figure(pool[0].link_bytes('inter') / 1e9)} GB per rank across nodes vs {figure(win.link_bytes('inter') / 1e9)}"
         )
-    return Explanation(spec, cluster, training, win, ranked, dropped, baselines, reason, sorted(timer.fallbacks))
+    if win.formats.lossy and exact is not None:
+        reason += "; " + explain_formats(win, exact)
+    return Explanation(spec, cluster, training, win, ranked, dropped, baselines, reason, sorted(timer.fallbacks),
+                       exact if allowed_formats is not None else None)
 
 
-def choose_plan(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *, tie_tolerance: float = 0.02, **module_hints) -> tuple[LinsPlan, Explanation]:
-    """The fastest plan that fits, and why.
+def choose_plan(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *, tie_tolerance: float = 0.02,
+                allowed_formats: str | dict | None = None, **module_hints) -> tuple[LinsPlan, Explanation]:
+    """The fastest plan that fits, and why; with ``allowed_formats`` (see :func:`search`)
+    the wire formats it runs with are ``explanation.formats``.
 
     ``model``: a :class:`ModelSpec`, a preset name, a torchtitan ``model:flavor``, a
     Hugging Face config.json path, or an ``nn.Module`` (its parameter
@@ -181,5 +249,5 @@ def choose_plan(model, cluster: ClusterSpec, training: TrainingSpec | None = Non
     module does not tell them). Plans within ``tie_tolerance`` of the fastest are
     settled by fewest inter-node bytes (see :func:`pick_winner`). Raises :class:`PlannerError` when nothing fits.
     """
-    explanation = search(model, cluster, training, tie_tolerance=tie_tolerance, **module_hints)
+    explanation = search(model, cluster, training, tie_tolerance=tie_tolerance, allowed_formats=allowed_formats, **module_hints)
     return explanation.plan, explanation

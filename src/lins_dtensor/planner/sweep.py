@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from lins_dtensor.planner.cost import PlanCost
 from lins_dtensor.planner.memory import GiB
 from lins_dtensor.planner.models import PlannerError
-from lins_dtensor.planner.report import FORMAT, baseline_records, plan_record, setting_record, setting_text, split_text
+from lins_dtensor.planner.report import FORMAT, baseline_records, plan_record, plan_text, setting_record, setting_text, split_text
 from lins_dtensor.planner.search import Baseline, Explanation, fastest_fitting_baseline
 
 # --sweep KEY -> (the lins-plan option it sets, unit, axis label)
@@ -54,8 +55,12 @@ class SweepPoint:
 
 
 def changes(points: list[SweepPoint]) -> list[tuple[SweepPoint, SweepPoint]]:
-    """Neighbouring values between which the chosen plan differs."""
-    return [(a, b) for a, b in zip(points, points[1:]) if a.explanation.plan != b.explanation.plan]
+    """Neighbouring values between which the chosen plan or its wire formats differ."""
+    return [(a, b) for a, b in zip(points, points[1:]) if _choice(a.explanation.cost) != _choice(b.explanation.cost)]
+
+
+def _choice(cost: PlanCost) -> tuple:
+    return cost.plan, cost.formats
 
 
 def _value(v: float) -> str:
@@ -76,11 +81,14 @@ def _p_text(point: SweepPoint) -> str:
 
 def _head_to_head(here: SweepPoint, other: SweepPoint) -> str:
     """At ``here``'s value, its plan against the plan chosen at ``other``'s."""
-    ex, rival = here.explanation, other.explanation.plan
-    cost = next(c for c in [*ex.ranked, *ex.dropped] if c.plan == rival)
+    ex, rival = here.explanation, _choice(other.explanation.cost)
+    cost = next(c for c in [*ex.ranked, *ex.dropped] if _choice(c) == rival)
     theirs = f"{cost.step_s:.3f} s" if cost.fits else f"does not fit ({cost.memory.peak / GiB:.1f} GiB)"
-    tie = " (a near-tie, settled by inter-node bytes)" if cost.fits and cost.step_s < ex.cost.step_s else ""
-    return f"at {_value(here.value)}: {ex.plan} {ex.cost.step_s:.3f} s, {rival} {theirs}{tie}"
+    tie = ""
+    if cost.fits and cost.step_s < ex.cost.step_s:
+        tie = (" (lossy, not faster by more than the tie tolerance)" if cost.formats.lossy and not ex.cost.formats.lossy
+               else " (a near-tie, settled by inter-node bytes)")
+    return f"at {_value(here.value)}: {plan_text(ex.cost)} {ex.cost.step_s:.3f} s, {plan_text(cost)} {theirs}{tie}"
 
 
 def sweep_text(key: str, points: list[SweepPoint]) -> str:
@@ -97,7 +105,7 @@ def sweep_text(key: str, points: list[SweepPoint]) -> str:
         versus = "none fits" if best is None else f"{best.name} ({best.cost.step_s:.3f} s, {best.cost.step_s / cost.step_s:.2f}x)"  # type: ignore[union-attr]
         leaves = ("YES, hpZ" if _is_hpz(pt) else "YES") if pt.p_leaves_node else "no"
         lines.append(
-            f"  {_value(pt.value):>8}  {str(cost.plan):<26} {split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}%  {leaves:<14} {versus}"
+            f"  {_value(pt.value):>8}  {plan_text(cost):<26} {split_text(cost, rpn):<20} {cost.step_s:8.3f} {cost.mfu * 100:5.1f}%  {leaves:<14} {versus}"
         )
     names = [b.name for b in first.baselines]
     lines += ["", "Baselines, step s (OOM: does not fit; -: not expressible on this cluster):"]
@@ -114,7 +122,7 @@ def sweep_text(key: str, points: list[SweepPoint]) -> str:
     turns = changes(points)
     for a, b in turns:
         lines.append(
-            f"  {_value(a.value)} -> {_value(b.value)} {unit}: {a.explanation.plan} -> {b.explanation.plan} "
+            f"  {_value(a.value)} -> {_value(b.value)} {unit}: {plan_text(a.explanation.cost)} -> {plan_text(b.explanation.cost)} "
             f"({_p_text(a)} -> {_p_text(b)})"
         )
         lines.append(f"    {_head_to_head(a, b)}; {_head_to_head(b, a)}")

@@ -52,16 +52,14 @@ def shard(model: nn.Module, job: TitanJob, resolved: Resolved, mesh: LinsMesh) -
     # torchtitan's loss is (local token-loss sum) / (global token count), so the
     # gradients must be *summed* over the data-parallel ranks, as torchtitan's FSDP does
     # (gradient_divide_factor 1.0).
-    # With plan = "auto", comm_formats is the set the planner may choose from (issue 20):
-    # planning.choose() is where job.lins.comm_formats goes once the planner takes
-    # allowed formats, and its choice (resolved) is what apply_lins gets here.
+    # The wire formats: the setting's, or with plan = "auto" the planner's choice among them.
     apply_lins(
         model,
         mesh,
         resolved.plan,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         gradient_divide_factor=1.0,
-        comm_formats=job.lins.comm_formats,
+        comm_formats=resolved.formats,
     )
     setattr(model, RESOLVED_ATTR, resolved)
     setattr(model, MAX_NORM_ATTR, job.max_norm)
@@ -69,6 +67,6 @@ def shard(model: nn.Module, job: TitanJob, resolved: Resolved, mesh: LinsMesh) -
     logger.info(
         f"Applied Lins plan {resolved.plan} (tensor parallel {resolved.tp}) to the model: parameters in {param_dtype}, "
         f"gradients reduced in {reduce_dtype}, optimizer on {lins_state(model).ctx.master_dtype} masters, "
-        f"wire formats {job.lins.comm_formats}"
+        f"wire formats {resolved.formats}"
     )
     return model

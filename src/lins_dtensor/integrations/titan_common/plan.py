@@ -16,6 +16,7 @@ from lins_dtensor.integrations.titan_common import planning
 from lins_dtensor.integrations.titan_common.job import TitanJob
 from lins_dtensor.errors import LinsConfigError, LinsPlanError, PlannerError
 from lins_dtensor.integrations.titan_common.settings import check_choices
+from lins_dtensor.formats import CommFormats, parse_allowed
 from lins_dtensor.plan import PRESET_NAMES, LinsPlan
 from lins_dtensor.planner.hardware import hardware_preset, load_hardware
 
@@ -85,6 +86,34 @@ def check_config(job: TitanJob) -> None:
         )
     if lins.plan.strip().lower() != "auto":
         explicit_plan(job, rpn)
+        explicit_formats(job)
+    else:
+        allowed_formats(job)
+
+
+def explicit_formats(job: TitanJob) -> CommFormats:
+    """The ``comm_formats`` setting next to an explicit plan: the wire formats to use."""
+    try:
+        return CommFormats.parse(job.lins.comm_formats)
+    except LinsConfigError as exc:
+        raise _formats_error(job, exc) from None
+
+
+def allowed_formats(job: TitanJob) -> str | None:
+    """The ``comm_formats`` setting next to plan = "auto": the wire formats the planner
+    may choose from (``parse_allowed``'s text; None: exact only)."""
+    text = job.lins.comm_formats
+    try:
+        parse_allowed(text)
+    except LinsConfigError as exc:
+        raise _formats_error(job, exc) from None
+    return None if text.strip().lower() in ("", "exact") else text
+
+
+def _formats_error(job: TitanJob, exc: LinsConfigError) -> LinsConfigError:
+    """formats' error under the TOML key's name (its own names the apply_lins argument)."""
+    rule = exc.detail.split(": ", 1)[1] if exc.detail.startswith("comm_formats") else exc.detail
+    return LinsConfigError(f"{job.key('lins', 'comm_formats')} = '{job.lins.comm_formats}': {rule}")
 
 
 def explicit_plan(job: TitanJob, rpn: int) -> LinsPlan:
@@ -118,16 +147,17 @@ class Resolved:
     ranks_per_node: int  # ranks of the job per node, TP ranks included
     prediction: planning.Prediction | None = None  # the planner's explanation too when auto
     tp: int = 1
+    formats: CommFormats = CommFormats()  # the wire formats (auto: the planner's choice)
 
 
-def _rank0s(plan: LinsPlan) -> LinsPlan:
+def _rank0s(plan: LinsPlan, formats: CommFormats) -> tuple[LinsPlan, CommFormats]:
     """Rank 0's choice on every rank: a near-tie in the planner may break differently in
-    another process, and ranks sharding with different plans would deadlock."""
+    another process, and ranks sharding with different plans or formats would deadlock."""
     if not dist.is_initialized():
-        return plan
-    box = [str(plan)]
+        return plan, formats
+    box = [str(plan), str(formats)]
     dist.broadcast_object_list(box, src=0)
-    return LinsPlan.parse(box[0])
+    return LinsPlan.parse(box[0]), CommFormats.parse(box[1])
 
 
 def resolve(job: TitanJob, model) -> Resolved:
@@ -136,12 +166,13 @@ def resolve(job: TitanJob, model) -> Resolved:
     world, tp = job.world_size, job.tp
     rpn = ranks_per_node(job)
     if job.lins.plan.strip().lower() != "auto":
-        plan = explicit_plan(job, rpn)
-        return Resolved(plan, rpn, planning.predict(job, model, plan, world, rpn), tp)
-    plan, prediction = planning.choose(job, model, world, rpn)
-    plan = with_reshard_policy(_rank0s(plan), job.lins.reshard_after_forward)
+        plan, formats = explicit_plan(job, rpn), explicit_formats(job)
+        return Resolved(plan, rpn, planning.predict(job, model, plan, world, rpn, formats), tp, formats)
+    plan, prediction = planning.choose(job, model, world, rpn, allowed_formats=allowed_formats(job))
+    plan, formats = _rank0s(plan, prediction.formats)
+    plan = with_reshard_policy(plan, job.lins.reshard_after_forward)
     try:
         plan.validate(world // tp, rpn // tp, tp)
     except LinsPlanError as exc:
         raise LinsConfigError(f"{job.key('lins', 'plan')} = 'auto': the planner chose {plan}, which is invalid: {exc.detail}") from None
-    return Resolved(plan, rpn, prediction, tp)
+    return Resolved(plan, rpn, prediction, tp, formats)

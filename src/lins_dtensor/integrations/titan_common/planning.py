@@ -19,6 +19,7 @@ from torchtitan.tools.logging import logger
 
 from lins_dtensor.integrations.titan_common.job import TitanJob
 from lins_dtensor.errors import LinsConfigError, LinsError
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner import Baseline, BandwidthTable, ClusterSpec, TrainingSpec, choose_plan, evaluate, model_from_module
 from lins_dtensor.planner.calibrate import CalibrationRun, run_to_json
@@ -39,6 +40,11 @@ class Prediction:
     explanation: object | None = None  # lins_dtensor.planner.Explanation, when auto
     cluster_text: str = ""
     run_description: dict | None = None  # lins-calibration/1 JSON without measurements
+
+    @property
+    def formats(self) -> CommFormats:
+        """The wire formats the prediction is for (auto: the planner's choice)."""
+        return self.chosen.formats
 
     @property
     def step_seconds(self) -> float:
@@ -81,9 +87,9 @@ def _training(job: TitanJob, dp_world: int):
     )
 
 
-def _run_description(spec, cluster: ClusterSpec, training: TrainingSpec, plan: LinsPlan) -> dict:
+def _run_description(spec, cluster: ClusterSpec, training: TrainingSpec, plan: LinsPlan, formats: CommFormats) -> dict:
     """What ``lins-plan calibrate`` needs to know of this run, measured rows aside."""
-    return run_to_json(CalibrationRun(spec, cluster, training, [], str(plan)))
+    return run_to_json(CalibrationRun(spec, cluster, training, [], str(plan), str(formats) if formats.lossy else None))
 
 
 def _model_spec(model, tp: int):
@@ -114,20 +120,23 @@ def _architecture(spec):
         return plain
 
 
-def choose(job: TitanJob, model, world: int, rpn: int) -> tuple[LinsPlan, Prediction]:
+def choose(job: TitanJob, model, world: int, rpn: int, allowed_formats: str | None = None) -> tuple[LinsPlan, Prediction]:
     """``plan = "auto"``: the planner's plan for the data-parallel ranks next to the
-    job's tensor parallelism, or a one-line LinsConfigError."""
+    job's tensor parallelism, or a one-line LinsConfigError. ``allowed_formats`` (text
+    as ``formats.parse_allowed`` reads it; None: exact only) lets it choose the wire
+    formats too: ``Prediction.formats``, what ``apply_lins(comm_formats=)`` must get."""
     try:
         cluster, training = _cluster(job, world, rpn), _training(job, world // job.tp)
-        plan, explanation = choose_plan(_model_spec(model, job.tp), cluster, training)
+        plan, explanation = choose_plan(_model_spec(model, job.tp), cluster, training, allowed_formats=allowed_formats)
     except Exception as exc:  # the planner's own error (nothing fits, bad batch), one line
         raise LinsConfigError(f"{job.key('lins', 'plan')} = 'auto': {_first_line(exc)}") from None
-    run = _run_description(explanation.model, explanation.cluster, explanation.training, plan)
+    run = _run_description(explanation.model, explanation.cluster, explanation.training, plan, explanation.formats)
     return plan, Prediction(explanation.cost, explanation.baselines, explanation, _cluster_text(explanation.cluster), run)
 
 
-def predict(job: TitanJob, model, plan: LinsPlan, world: int, rpn: int) -> Prediction | None:
-    """The planner's prediction for an explicit plan and the baselines; None if unavailable."""
+def predict(job: TitanJob, model, plan: LinsPlan, world: int, rpn: int, formats: str | CommFormats | None = None) -> Prediction | None:
+    """The planner's prediction for an explicit plan in the wire ``formats`` (None:
+    exact) and the baselines; None if unavailable."""
     try:
         cluster, training = _cluster(job, world, rpn), _training(job, world // job.tp)
         spec = _model_spec(model, job.tp)
@@ -135,8 +144,9 @@ def predict(job: TitanJob, model, plan: LinsPlan, world: int, rpn: int) -> Predi
             Baseline(name, p, None if p is None else evaluate(p, spec, cluster, training), note)
             for name, p, note in baseline_plans(cluster.dp_ranks, cluster.dp_per_node, cluster.tp)
         ]
-        run = _run_description(spec, cluster, training, plan)
-        return Prediction(evaluate(plan, spec, cluster, training), baselines, None, _cluster_text(cluster), run)
+        chosen = evaluate(plan, spec, cluster, training, formats=CommFormats.parse(formats))
+        run = _run_description(spec, cluster, training, plan, chosen.formats)
+        return Prediction(chosen, baselines, None, _cluster_text(cluster), run)
     except Exception as exc:  # noqa: BLE001 - the table is informative only; training goes on
         logger.warning(f"lins: no planner prediction for plan {plan}: {_first_line(exc)}")
         return None
@@ -168,6 +178,8 @@ def table(plan: LinsPlan, prediction: Prediction | None, world: int, rpn: int, n
     if tp > 1:
         layout += f" = tensor parallel {tp} x {world // tp} data-parallel ranks"
     lines = [f"Lins: plan {plan} on {layout}, {num_params:,} parameters"]
+    if prediction is not None and prediction.formats.lossy:
+        lines[0] += f", wire formats {prediction.formats}"
     if prediction is None:
         lines += [head.replace(" peak MiB", "         ").rstrip(), f"  {'CHOSEN':<14} {str(plan):<18} {_state_bytes(plan, num_params, param_bytes, grad_bytes, tp) / MiB:10.1f}"]
         lines.append(f"why: plan given in {plan_key} (no planner prediction available)")
