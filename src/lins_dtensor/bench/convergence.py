@@ -380,7 +380,8 @@ def plot(runs: list[dict], a: dict, path: Path) -> None:
     bottom.axhline(0, color="k", lw=0.5)
     bottom.set_ylabel("minus exact mean")
     paired.axhline(0, color="k", lw=0.5)
-    paired.set_ylabel("minus exact, same seed")
+    paired.set_yscale("symlog", linthresh=1e-4)  # a format's 1e-4 next to a baseline's 0.5
+    paired.set_ylabel("minus exact, same seed (symlog)")
     paired.set_xlabel("step")
     lim = max(abs(x - m) for c in [a["lo"], a["hi"]] for x, m in zip(c[WINDOW:], mean[WINDOW:]))
     bottom.set_ylim(-4 * lim, 4 * lim)
