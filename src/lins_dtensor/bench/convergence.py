@@ -133,7 +133,8 @@ def _arg(extra: list[str], key: str) -> str | None:
     return None
 
 
-def _commit() -> str:
+def current_commit() -> str:
+    """The checkout's commit, "+dirty" with uncommitted changes to tracked files."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=False).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
@@ -149,7 +150,7 @@ def run(name: str, seed: int, extra: list[str], config: str = CONFIG, nproc: int
     log_path = ROOT / "outputs" / "convergence" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    started, commit = datetime.now(timezone.utc), _commit()
+    started, commit = datetime.now(timezone.utc), current_commit()
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,

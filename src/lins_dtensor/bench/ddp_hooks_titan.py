@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -59,11 +58,11 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from lins_dtensor.bench.convergence import CONFIG, RESULTS, current_commit, parse_log
+
 ENV = "LINS_BENCH_DDP_HOOK"
 HOOKS = ("allreduce", "bf16", "powersgd")
 SPEC_NAME = "ddp_llama3"
-CONFIG = "train_configs/llama3_debug_cpu_convergence.toml"
-RESULTS = Path("bench/results/convergence")
 FORMATS = {"allreduce": "exact", "bf16": "ddp bf16_compress_hook", "powersgd": "ddp powerSGD rank 4"}
 """The JSON's ``formats``: the plain all-reduce is exact fp32 training (plan ``ddp``)."""
 
@@ -181,38 +180,11 @@ def register() -> None:
 
 # ---------------------------------------------------------------- running
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - root - INFO - step:\s*(\d+)\s+loss:\s*(\S+)")
-
-
-def parse_log(text: str) -> tuple[list[float], list[float | None]]:
-    """Rank 0's per-step losses and step times (log timestamp differences; none for step 1)."""
-    losses, stamps = {}, {}
-    for line in _ANSI.sub("", text).splitlines():
-        m = _STEP.search(line)
-        if m:
-            step = int(m.group(2))
-            losses[step] = float(m.group(3))
-            stamps[step] = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
-    steps = sorted(losses)
-    if steps != list(range(1, len(steps) + 1)):
-        raise ValueError(f"log: steps {steps[:3]}...{steps[-3:]} are not 1..N")
-    times = [None] + [(stamps[s] - stamps[s - 1]).total_seconds() for s in steps[1:]]
-    return [losses[s] for s in steps], times
-
-
 def _logged_steps(log_path: Path) -> int:
     try:
         return len(parse_log(log_path.read_text())[0])
     except ValueError:
         return 0
-
-
-def _commit(root: Path) -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=False).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True, check=False).stdout.strip()
-    return head + ("+dirty" if dirty else "")
 
 
 def run(name: str, hook: str, seed: int, stop_after: int | None, extra: list[str], config: str = CONFIG,
@@ -229,7 +201,7 @@ def run(name: str, hook: str, seed: int, stop_after: int | None, extra: list[str
     log_path = root / "outputs" / "convergence" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **{ENV: hook})
-    started, commit = datetime.now(timezone.utc), _commit(root)
+    started, commit = datetime.now(timezone.utc), current_commit()
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
