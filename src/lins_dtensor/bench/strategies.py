@@ -156,8 +156,11 @@ class Strategies:
             return functools.partial(self.ddp, key)
         return functools.partial(self.fsdp2, key)
 
-    def lins_mesh(self, plan: LinsPlan) -> LinsMesh:
-        key = ("lins", str(plan))
+    def lins_mesh(self, plan: LinsPlan, formats: str) -> LinsMesh:
+        """A mesh (process groups) per instance: two Lins models on the same groups would
+        each issue their collectives in their own order, and an update one of them left
+        in flight would interleave with the other's differently on different ranks."""
+        key = ("lins", str(plan), formats)
         if key not in self._meshes:
             self._meshes[key] = build_lins_mesh(plan, ranks_per_node=self.rpn, device_type="cpu")
         return self._meshes[key]
@@ -171,7 +174,7 @@ class Strategies:
     # ----- Lins ---------------------------------------------------------------------------
     def lins(self, plan_text: str, formats: str = "exact") -> Built:
         plan = LinsPlan.parse(plan_text, self.world)
-        mesh = self.lins_mesh(plan)
+        mesh = self.lins_mesh(plan, formats)
         model = build_model(self.model_size)
         apply_lins(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32), comm_formats=formats)
         opt = lins_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1, foreach=True)
