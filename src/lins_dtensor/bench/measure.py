@@ -175,6 +175,8 @@ class Instance:
         for _ in range(steps):
             self.step(microbatches, measure_states=True)
         self.transient_bytes[microbatches] = (_status_kib("VmHWM") - before) * 1024 if reset and steps else None
+        if self.built.settle is not None:  # nothing of it in flight while the next strategy warms up
+            self.built.settle()
         self.times[microbatches] = []
         self.comm_times[microbatches] = []
 
