@@ -50,7 +50,7 @@ def test_bytes_follow_closed_form(even_runs):
     for run_ in even_runs:
         plan = LinsPlan.parse(run_["config"].plan, n)
         sp, sg, so = plan.params, plan.grads, plan.optim
-        records = [CollectiveRecord(name, "", Op(op), size, nodes, nbytes, count) for (name, op, size, nodes, nbytes), count in run_["records"].items()]
+        records = [CollectiveRecord(name, "", Op(op), size, nodes, nbytes, count) for (name, op, size, nodes, nbytes, *_), count in run_["records"].items()]
         by_name = {}
         for r in records:
             by_name[r.name] = by_name.get(r.name, 0) + r.wire_bytes
