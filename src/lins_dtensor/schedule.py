@@ -239,9 +239,9 @@ def nodes_spanned(size: int, stride: int, ranks_per_node: int) -> int:
     return len({(i * stride) // ranks_per_node for i in range(size)})
 
 
-def link_level(size: int, stride: int, ranks_per_node: int) -> str:
-    """"inter" when a group of ``size`` ranks ``stride`` apart spans nodes, else "intra"."""
-    return "inter" if nodes_spanned(size, stride, ranks_per_node) > 1 else "intra"
+def link_level(nodes: int) -> str:
+    """A group's link level for wire formats: "inter" when it spans nodes, else "intra"."""
+    return "inter" if nodes > 1 else "intra"
 
 
 def spec_format(spec: CollectiveSpec, formats: CommFormats, level: str) -> WireFormat:
@@ -362,7 +362,7 @@ def step_collectives(
             return
         stride = group_stride(plan, spec.mesh_dim) if stride is None else stride
         nodes = nodes_spanned(size, stride, ranks_per_node) if nodes is None else nodes
-        fmt = spec_format(spec, formats, "inter" if nodes > 1 else "intra")
+        fmt = spec_format(spec, formats, link_level(nodes))
         if fmt.lossy and geometry is not None:
             encoded = Encoded.of(spec, fmt, size, geometry.layout(spec.layout), dtype_bytes[spec.dtype])
             for op in encoded.ops:
@@ -418,7 +418,7 @@ def encoded_collectives(
             continue
         for spec in LOSSY_CAPABLE:
             size = group_size(plan, world_size, spec.mesh_dim)
-            fmt = spec_format(spec, formats, link_level(size, group_stride(plan, spec.mesh_dim), ranks_per_node))
+            fmt = spec_format(spec, formats, link_level(nodes_spanned(size, group_stride(plan, spec.mesh_dim), ranks_per_node)))
             if size > 1 and fmt.lossy:
                 times = microbatches if spec.phase is Phase.BACKWARD else 1
                 yield Encoded.of(spec, fmt, size, geo.layout(spec.layout), dtype_bytes[spec.dtype]), times

@@ -86,6 +86,7 @@ from lins_dtensor.schedule import (
     Encoded,
     UnitGeometry,
     chain_buffer_bytes,
+    link_level,
     spec_format,
 )
 
@@ -163,7 +164,7 @@ class ShardContext:
         for a group of one)."""
         if not self.formats.lossy or self.mesh.size(spec.mesh_dim) == 1:
             return None
-        fmt = spec_format(spec, self.formats, "inter" if self.mesh.nodes_spanned(spec.mesh_dim) > 1 else "intra")
+        fmt = spec_format(spec, self.formats, link_level(self.mesh.nodes_spanned(spec.mesh_dim)))
         if not fmt.lossy:
             return None
         size = self.mesh.size(spec.mesh_dim)

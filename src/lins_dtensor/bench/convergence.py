@@ -409,12 +409,16 @@ def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "converge
     print(f"tolerance {_fmt(a['tolerance'])}; wrote {doc} and {png}")
 
 
+def split_trainer_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """This command's arguments and the trainer's (after ``--``)."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_trainer_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m lins_dtensor.bench.convergence", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="train one run and write its JSON (trainer arguments after --)")

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
-from lins_dtensor.bench.convergence import CONFIG, RESULTS, current_commit, parse_log
+from lins_dtensor.bench.convergence import CONFIG, RESULTS, current_commit, parse_log, split_trainer_args
 
 ENV = "LINS_BENCH_DDP_HOOK"
 HOOKS = ("allreduce", "bf16", "powersgd")
@@ -251,11 +251,7 @@ def compare(a: str, b: str, steps: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_trainer_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m lins_dtensor.bench.ddp_hooks_titan",
                                      description="DDP + torch comm hooks in torchtitan's trainer (issue 20)")
     sub = parser.add_subparsers(dest="cmd", required=True)
