@@ -339,6 +339,45 @@ def test_ddp_hooks_record_what_they_send(ddp_hook_runs):
         assert totals(step) == (4 * (p_q + vectors), 3 * buckets)
 
 
+def test_powersgd_buckets_issue_their_collectives_in_bucket_order():
+    """in_bucket_order starts bucket k+1's hook only once bucket k's future is done (what
+    NCCL's inline callbacks give torch's powerSGD_hook; on gloo its callbacks raced the
+    next bucket's all-reduces and the ranks disagreed on the order), without blocking
+    the caller; each bucket's result and a failure reach DDP through the returned
+    future, and the next step starts afresh."""
+    import torch
+
+    from lins_dtensor.bench.strategies import in_bucket_order
+
+    class Bucket(int):
+        def is_last(self) -> bool:
+            return self == 2
+
+    started, pending = [], {}
+
+    def fake_hook(state, bucket):
+        started.append(int(bucket))
+        pending[bucket] = torch.futures.Future()
+        return pending[bucket]
+
+    hook = in_bucket_order(fake_hook)
+    assert hook.__name__ == "bucket_ordered_fake_hook"
+    futures = [hook(None, Bucket(k)) for k in range(3)]
+    assert started == [0] and not any(f.done() for f in futures)  # returned at once, nothing else issued
+    pending[0].set_exception(RuntimeError("bucket 0 failed"))
+    assert started == [0] and all(f.done() for f in futures)  # a failure fails the step's later buckets
+    for f in futures:
+        with pytest.raises(RuntimeError, match="bucket 0 failed"):
+            f.wait()
+    futures = [hook(None, Bucket(k)) for k in range(3)]  # the next step starts afresh
+    assert started == [0, 0]
+    pending[0].set_result(torch.tensor([10.0]))
+    assert started == [0, 0, 1] and futures[0].value().item() == 10.0 and not futures[1].done()
+    pending[1].set_result(torch.tensor([11.0]))
+    pending[2].set_result(torch.tensor([12.0]))
+    assert started == [0, 0, 1, 2] and [f.value().item() for f in futures] == [10.0, 11.0, 12.0]
+
+
 def test_every_strategy_has_formats_and_an_equivalent():
     """Each row's wire formats come from strategy_formats; the planner's Equivalent carries
     them as text, and a strategy it cannot cost (PowerSGD) says why instead of a number."""

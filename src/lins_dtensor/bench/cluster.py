@@ -222,6 +222,7 @@ def measure(m: int, rows: list[RowSpec], instances: dict[str, Instance], args: a
     round, so that load drifting on the shared CPUs hits every strategy alike."""
     active = list(dict.fromkeys(row.instance for row in rows))
     for key in active:
+        log(rank, f"M={m}: warming up {key}")
         instances[key].warmup(m, args.warmup)
     log(rank, f"M={m}: warmed up {len(active)} strategies; {args.steps} timed rounds")
     for r in range(args.steps):

@@ -103,7 +103,7 @@ def register_hook(ddp: nn.parallel.DistributedDataParallel, kind: str) -> None:
         powerSGD_hook,
     )
 
-    from lins_dtensor.bench.strategies import POWERSGD_RANK, POWERSGD_START_ITER
+    from lins_dtensor.bench.strategies import POWERSGD_RANK, POWERSGD_START_ITER, in_bucket_order
 
     n = dist.get_world_size()
     if kind == "allreduce":
@@ -113,7 +113,7 @@ def register_hook(ddp: nn.parallel.DistributedDataParallel, kind: str) -> None:
     else:
         state = PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                               start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True, warm_start=True)
-        ddp.register_comm_hook(state, summing(powerSGD_hook, n))
+        ddp.register_comm_hook(state, summing(in_bucket_order(powerSGD_hook), n))
 
 
 # ---------------------------------------------------------------- the TrainSpec

@@ -244,7 +244,7 @@ class Strategies:
         else:
             state = PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
                                   start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True, warm_start=True)
-            ddp.register_comm_hook(state, powerSGD_hook)
+            ddp.register_comm_hook(state, in_bucket_order(powerSGD_hook))
             measured_from_step = POWERSGD_START_ITER
 
         def context(mb: int, m_total: int) -> contextlib.AbstractContextManager:
@@ -282,6 +282,52 @@ def bf16_hook(state, bucket):
     CPU ("BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+ or XPU and
     XCCL" on a CPU-only torch)."""
     return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def in_bucket_order(hook):
+    """``hook`` with each bucket's collectives issued once the previous bucket's hook has
+    finished: the order NCCL gives torch's ``powerSGD_hook``, which gloo does not.
+
+    ``powerSGD_hook`` issues its P and Q all-reduces from the callbacks of the one
+    before. On NCCL a collective's future completes as it is enqueued, so those
+    callbacks run inside the hook, on the autograd thread, and bucket k's all-reduces
+    are all issued before bucket k+1's. Gloo completes futures on its worker threads:
+    bucket k's callbacks issue their all-reduces while the autograd thread issues
+    bucket k+1's, ranks disagree on the order and gloo aborts ("Received data size
+    doesn't match expected size", seen on the emulated cluster). Chaining each bucket on
+    the previous one's future restores NCCL's order; the autograd thread never waits, so
+    the communication still overlaps the backward pass. No annotations: DDP checks a
+    hook's."""
+    previous: list[torch.futures.Future | None] = [None]
+
+    def bucket_ordered_hook(state, bucket):
+        done: torch.futures.Future = torch.futures.Future()
+
+        def forward_result(fut: torch.futures.Future) -> None:
+            try:
+                done.set_result(fut.value())
+            except Exception as error:  # the hook's own failure reaches DDP's wait
+                done.set_exception(error)
+
+        def start(before: torch.futures.Future | None) -> None:
+            try:
+                if before is not None:
+                    before.value()  # a failed bucket fails this one too
+                hook(state, bucket).add_done_callback(forward_result)
+            except Exception as error:
+                done.set_exception(error)
+
+        if previous[0] is None:
+            start(None)
+        else:
+            previous[0].add_done_callback(start)  # runs now when it is already done
+        # DDP waits for every bucket's future before backward returns: the next step's
+        # first bucket starts at once, whatever this step's did.
+        previous[0] = None if bucket.is_last() else done
+        return done
+
+    bucket_ordered_hook.__name__ = f"bucket_ordered_{hook.__name__}"
+    return bucket_ordered_hook
 
 
 # ----- what the planner costs each strategy as ------------------------------------------------------
