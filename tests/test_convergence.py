@@ -9,6 +9,7 @@ import pytest
 from lins_dtensor.bench.convergence import (
     analyse,
     band,
+    cluster_time_to_loss,
     gap,
     leave_one_out_gap,
     parse_log,
@@ -111,8 +112,9 @@ def test_analyse_and_report_on_synthetic_runs(tmp_path):
     for r in runs:
         (results / f"{r['name']}.json").write_text(json.dumps(r))
     doc = tmp_path / "convergence.md"
-    report(results, doc)
+    report(results, doc, cluster=tmp_path / "no-cluster.json")
     text = doc.read_text()
+    assert "Time to loss on the emulated cluster" not in text
     assert "| grads-bf16 | `p=1,g=2,os=4` | `grads=bf16` | 0 |" in text and "| ddp-fp32-seed0 | `ddp` | `exact` |" in text
     assert "| yes |" in text and "| **no** |" in text
     assert (tmp_path / "convergence.png").stat().st_size > 0
@@ -121,3 +123,54 @@ def test_analyse_and_report_on_synthetic_runs(tmp_path):
 def test_the_band_needs_two_seeds_of_one_plan():
     with pytest.raises(ValueError, match="at least 2 exact seeds"):
         analyse([_run("fp32-seed0", "exact", 0, [3.0, 2.0]), _run("grads-int8", "grads=int8", 0, [3.0, 2.0])])
+
+
+def _bench_row(strategy, m, formats, median, plan="p=1,g=4,os=8"):
+    return {"strategy": strategy, "microbatches": m, "plan": plan, "formats": formats, "chosen_for": ["unlimited"],
+            "step_time_s": {"median": median}}
+
+
+def test_time_to_loss_on_the_cluster_multiplies_each_rows_steps_by_its_step_time(tmp_path):
+    """A benchmark row's time to loss: the steps of the seed-0 convergence run that trains
+    as it does (its Lins formats as text, a DDP hook by strategy, exact for exact
+    training of any plan) times its median step; a run that never reached the target
+    or was never run shows so; rows of other strategies are left out."""
+    steps = 40
+    base = [8.0 - 0.125 * i for i in range(steps)]
+    runs = [_run(f"fp32-seed{s}", "exact", s, [x + d for x in base]) for s, d in enumerate((0.0, 0.0625, -0.0625))]
+    runs += [_run("everywhere-int8", "grads=int8,grads:intra=int8,params=int8,params:intra=int8", 0,
+                  [x - 0.5 for x in base]),
+             _run("ddp-bf16-hook-seed0", "ddp bf16_compress_hook", 0, base, plan="ddp"),
+             _run("ddp-powersgd-seed0", "ddp powerSGD rank 4", 0, [x + 1.0 for x in base], plan="ddp")]
+    a = analyse(runs)
+    int8 = {kind: {"inter": "int8", "intra": "int8"} for kind in ("grads", "params")}
+    bf16 = {"grads": {"inter": "bf16", "intra": "exact"}, "params": {"inter": "exact", "intra": "exact"}}
+    cluster = {"meta": {"nodes": 2, "ranks_per_node": 4, "link_rate": "300mbit", "model": "small"},
+               "strategies": [_bench_row("lins-planner", 1, "exact", 2.0), _bench_row("lins-planner-compressed", 1, int8, 0.5),
+                        _bench_row("lins-planner-compressed", 4, bf16, 1.5), _bench_row("ddp-bf16-hook", 1, {}, 1.0, None),
+                        _bench_row("ddp-powersgd", 1, {}, 0.75, None), _bench_row("hsdp", 1, "exact", 3.0, None)]}
+    by = {(e["strategy"], e["microbatches"]): e for e in cluster_time_to_loss(a, cluster)}
+    assert len(by) == 5 and ("hsdp", 1) not in by
+    exact_steps = a["rows"][0].ttl  # the band's seed 0
+    assert by[("lins-planner", 1)]["run"] == "fp32-seed0" and by[("lins-planner", 1)]["seconds"] == exact_steps * 2.0
+    first = next(i for i, x in enumerate(base, start=1) if x - 0.5 <= a["target"])  # the int8 run's curve is lower
+    assert by[("lins-planner-compressed", 1)]["run"] == "everywhere-int8"
+    assert by[("lins-planner-compressed", 1)]["steps"] < exact_steps  # smoothed: a step or so after `first`
+    assert by[("lins-planner-compressed", 1)]["steps"] >= first
+    assert by[("lins-planner-compressed", 1)]["seconds"] == by[("lins-planner-compressed", 1)]["steps"] * 0.5
+    assert by[("lins-planner-compressed", 4)]["run"] is None and by[("lins-planner-compressed", 4)]["formats"] == "grads=bf16"
+    assert by[("ddp-bf16-hook", 1)]["run"] == "ddp-bf16-hook-seed0"
+    assert by[("ddp-powersgd", 1)]["steps"] is None and by[("ddp-powersgd", 1)]["seconds"] is None
+
+    results = tmp_path / "results"
+    results.mkdir()
+    for r in runs:
+        (results / f"{r['name']}.json").write_text(json.dumps(r))
+    (tmp_path / "cluster.json").write_text(json.dumps(cluster))
+    doc = tmp_path / "convergence.md"
+    report(results, doc, cluster=tmp_path / "cluster.json")
+    text = doc.read_text()
+    assert "## Time to loss on the emulated cluster" in text
+    assert f"| 1 | lins-planner | unlimited | `p=1,g=4,os=8` | `exact` | fp32-seed0 | {exact_steps} | 2.000 | {exact_steps * 2:.0f} |" in text
+    assert f"| 1 | ddp-powersgd | unlimited | `-` | `ddp powerSGD rank 4` | ddp-powersgd-seed0 | > {steps} | 0.750 | > {steps * 0.75:.0f} |" in text
+    assert "| 4 | lins-planner-compressed | unlimited | `p=1,g=4,os=8` | `grads=bf16` | - | no run | 1.500 | - |" in text

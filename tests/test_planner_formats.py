@@ -72,6 +72,20 @@ def test_lossy_format_saves_comm_and_adds_codec_compute_and_error_feedback():
         memory_breakdown(model, plan, TRAINING, formats=INT8)
 
 
+def test_codec_work_gives_no_room_to_hide_collectives():
+    """A slower codec lengthens the step by its own seconds and hides nothing more: the
+    encode runs before its collective is issued and the decode after it completes (on
+    the emulated cluster, counting it as room predicted a fifth of int8's exposed time)."""
+    model, plan = model_preset("debugmodel"), LinsPlan.parse("p=1,g=8,os=8", 8)
+    cluster = ClusterSpec(8, 2, SLOW)
+    fast = evaluate(plan, model, cluster, TRAINING, formats=INT8)
+    slow_codec = dataclasses.replace(SLOW, codec_s_per_value={"int8": 1e-8})
+    slow = evaluate(plan, model, ClusterSpec(8, 2, slow_codec), TRAINING, formats=INT8)
+    assert sum(slow.codec_s.values()) > 10 * sum(fast.codec_s.values()) > 0
+    assert slow.exposed_s == fast.exposed_s and sum(slow.exposed_s.values()) > 0
+    assert slow.step_s == pytest.approx(fast.step_s + sum(slow.codec_s.values()) - sum(fast.codec_s.values()), rel=1e-12)
+
+
 def test_planner_chooses_a_lossy_format_that_pays_and_says_what_it_bought():
     cluster = ClusterSpec(8, 2, SLOW)
     plan, ex = choose_plan("debugmodel", cluster, TRAINING, allowed_formats="grads=int8")

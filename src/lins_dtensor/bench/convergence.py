@@ -40,6 +40,8 @@ from pathlib import Path
 
 import tomllib
 
+from lins_dtensor.formats import CommFormats
+
 ROOT = Path.cwd()
 """The repository root: run from there (scripts/convergence.sh does)."""
 CONFIG = "train_configs/llama3_debug_cpu_convergence.toml"
@@ -48,6 +50,12 @@ WINDOW = 10
 """Steps in the trailing mean that smooths single-step losses (the decisive comparison)."""
 LAST = 10
 """Final steps averaged for the reported final loss next to the last step's."""
+CLUSTER = Path("bench/results/cluster.json")
+"""The emulated-cluster benchmark whose step times turn steps to loss into seconds."""
+HOOK_FORMATS = {"ddp-bf16-hook": "ddp bf16_compress_hook", "ddp-powersgd": "ddp powerSGD rank 4"}
+"""The ``formats`` of the convergence runs of torch DDP's hooks, by benchmark strategy."""
+TTL_STRATEGIES = ("lins-planner", "lins-planner-compressed", "ddp", "ddp-bf16-hook", "ddp-powersgd")
+"""The benchmark rows given a time to loss: Lins' picks (exact, lossy) and DDP's hooks."""
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - root - INFO - step:\s*(\d+)\s+loss:\s*(\S+)")
@@ -100,6 +108,38 @@ def leave_one_out_gap(curves: list[list[float]]) -> float:
 def time_to_loss(curve: list[float], target: float) -> int | None:
     """First (1-based) step at which ``curve`` reaches ``target`` or below; None if never."""
     return next((step for step, x in enumerate(curve, start=1) if x <= target), None)
+
+
+def run_formats(row: dict) -> str:
+    """The convergence ``formats`` that trains like benchmark row ``row``: a DDP hook's,
+    or the Lins formats as CommFormats text ("exact" for exact training of any kind)."""
+    return HOOK_FORMATS.get(row["strategy"]) or str(CommFormats.from_json(row["formats"]))
+
+
+def cluster_time_to_loss(a: dict, cluster: dict) -> list[dict]:
+    """Per benchmark row of :data:`TTL_STRATEGIES`: the steps its training needs to reach
+    the target (the seed-0 convergence run of its formats: seed 0 started every lossy
+    run) times its median step time on the emulated cluster. ``steps`` is None when
+    the run never reached the target and ``run`` None when no run trained that way."""
+    def key(formats: str) -> str:
+        return formats if formats in HOOK_FORMATS.values() else str(CommFormats.parse(formats))
+
+    seed0 = {}
+    for r in a["rows"]:  # the band's own seed-0 run first: exact training of any plan is one sum
+        if r.seed == 0:
+            seed0.setdefault(key(r.formats), r)
+    out = []
+    for row in cluster["strategies"]:
+        if row["strategy"] not in TTL_STRATEGIES:
+            continue
+        trained = seed0.get(key(run_formats(row)))
+        median = row["step_time_s"]["median"]
+        steps = None if trained is None else trained.ttl
+        out.append({"microbatches": row["microbatches"], "strategy": row["strategy"], "plan": row["plan"],
+                    "chosen_for": row.get("chosen_for"), "formats": run_formats(row), "median_s": median,
+                    "run": None if trained is None else trained.name, "steps": steps,
+                    "seconds": None if steps is None else steps * median})
+    return out
 
 
 # ---------------------------------------------------------------- running
@@ -350,6 +390,34 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cluster_markdown(a: dict, cluster: dict, steps: int) -> str:
+    """docs/convergence.md's section on wall time to loss (:func:`cluster_time_to_loss`)."""
+    meta = cluster["meta"]
+    lines = [
+        "", "## Time to loss on the emulated cluster", "",
+        f"Steps to loss (above; the seed-0 run trained as the row trains) times the median step time of the "
+        f"benchmark row (`{CLUSTER}`: {meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['link_rate']} "
+        f"links, model {meta['model']}). The two come from different setups (the debug LLaMA on 4 ranks here, the "
+        "benchmark's model on 8 ranks there): the product says how a format's effect on the steps needed and on "
+        "the step time combine, not how long either model takes. A run that never reached the loss in "
+        f"{steps} steps is shown as more than {steps} steps.", "",
+        "| M | strategy | chosen for | plan | formats | convergence run | steps to loss | median step (s) | "
+        "time to loss (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for e in cluster_time_to_loss(a, cluster):
+        if e["run"] is None:
+            steps_text, seconds = "no run", "-"
+        elif e["steps"] is None:
+            steps_text, seconds = f"> {steps}", f"> {steps * e['median_s']:.0f}"
+        else:
+            steps_text, seconds = str(e["steps"]), f"{e['seconds']:.0f}"
+        lines.append(f"| {e['microbatches']} | {e['strategy']} | {', '.join(e['chosen_for'] or []) or '-'} | "
+                     f"`{e['plan'] or '-'}` | `{e['formats']}` | {e['run'] or '-'} | {steps_text} | "
+                     f"{e['median_s']:.3f} | {seconds} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(runs: list[dict], a: dict, path: Path) -> None:
     """Smoothed curves with the band, and their differences from the exact mean."""
     import matplotlib
@@ -391,8 +459,9 @@ def plot(runs: list[dict], a: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "convergence.md") -> None:
-    """Write the table and the plot from every JSON in ``results`` (one length and config)."""
+def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "convergence.md", cluster: Path = ROOT / CLUSTER) -> None:
+    """Write the table and the plot from every JSON in ``results`` (one length and config),
+    with the times to loss on the emulated cluster where ``cluster`` exists."""
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
     if not runs:
         raise SystemExit(f"convergence: no runs in {results}")
@@ -402,7 +471,10 @@ def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "converge
     a = analyse(runs)
     png = doc.with_suffix(".png")
     plot(runs, a, png)
-    doc.write_text(markdown(runs, a, png.name))
+    text = markdown(runs, a, png.name)
+    if cluster.exists():
+        text += cluster_markdown(a, json.loads(cluster.read_text()), runs[0]["steps"])
+    doc.write_text(text)
     for r in a["rows"]:
         print(f"{r.name:24s} {r.plan:14s} {r.formats:22s} final {_fmt(r.final)} (last {LAST}: {_fmt(r.final_mean)}) "
               f"gap {_fmt(r.smooth_gap)} raw {_fmt(r.raw_gap)} time-to-loss {r.ttl}")

@@ -58,12 +58,12 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
-from lins_dtensor.bench.convergence import CONFIG, RESULTS, current_commit, parse_log, split_trainer_args
+from lins_dtensor.bench.convergence import CONFIG, HOOK_FORMATS, RESULTS, current_commit, parse_log, split_trainer_args
 
 ENV = "LINS_BENCH_DDP_HOOK"
 HOOKS = ("allreduce", "bf16", "powersgd")
 SPEC_NAME = "ddp_llama3"
-FORMATS = {"allreduce": "exact", "bf16": "ddp bf16_compress_hook", "powersgd": "ddp powerSGD rank 4"}
+FORMATS = {"allreduce": "exact", "bf16": HOOK_FORMATS["ddp-bf16-hook"], "powersgd": HOOK_FORMATS["ddp-powersgd"]}
 """The JSON's ``formats``: the plain all-reduce is exact fp32 training (plan ``ddp``)."""
 
 # torchtitan's overrides that turn the Lins convergence config into the DDP run.

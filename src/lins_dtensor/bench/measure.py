@@ -34,6 +34,7 @@ from lins_dtensor.runtime import default_units
 from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, CollectiveRecord, UnitSchedule, fsdp2_copy_bytes, local_copy_bytes
 
 LR = 3e-4  # AdamW's learning rate, for every strategy and the calibration's optimizer step
+CODEC_CALIBRATION_S = 0.3  # seconds each wire-format kernel is timed for at start-up (many time slices)
 
 
 # ----- the job --------------------------------------------------------------------------------
@@ -311,7 +312,8 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
     worst = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     t = dict(zip(samples, (float(v) for v in worst)))
-    codec = measure_codec_rates(torch.device("cpu"))  # every rank at once, as the rest
+    # Every rank at once, as the rest; long enough that time slicing averages out.
+    codec = measure_codec_rates(torch.device("cpu"), min_seconds=CODEC_CALIBRATION_S)
     slowest_codec = torch.tensor(list(codec.values()), dtype=torch.float64)
     dist.all_reduce(slowest_codec, op=dist.ReduceOp.MAX)
     flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
