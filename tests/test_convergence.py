@@ -145,7 +145,7 @@ def test_time_to_loss_on_the_cluster_multiplies_each_rows_steps_by_its_step_time
     a = analyse(runs)
     int8 = {kind: {"inter": "int8", "intra": "int8"} for kind in ("grads", "params")}
     bf16 = {"grads": {"inter": "bf16", "intra": "exact"}, "params": {"inter": "exact", "intra": "exact"}}
-    cluster = {"meta": {"nodes": 2, "ranks_per_node": 4, "link_rate": "300mbit", "model": "small"},
+    cluster = {"meta": {"nodes": 2, "ranks_per_node": 4, "link_rate": "300mbit", "model": {"size": "small", "params": 6163712}},
                "strategies": [_bench_row("lins-planner", 1, "exact", 2.0), _bench_row("lins-planner-compressed", 1, int8, 0.5),
                         _bench_row("lins-planner-compressed", 4, bf16, 1.5), _bench_row("ddp-bf16-hook", 1, {}, 1.0, None),
                         _bench_row("ddp-powersgd", 1, {}, 0.75, None), _bench_row("hsdp", 1, "exact", 3.0, None)]}

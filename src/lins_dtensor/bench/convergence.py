@@ -397,7 +397,7 @@ def cluster_markdown(a: dict, cluster: dict, steps: int) -> str:
         "", "## Time to loss on the emulated cluster", "",
         f"Steps to loss (above; the seed-0 run trained as the row trains) times the median step time of the "
         f"benchmark row (`{CLUSTER}`: {meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['link_rate']} "
-        f"links, model {meta['model']}). The two come from different setups (the debug LLaMA on 4 ranks here, the "
+        f"links, model {meta['model']['size']}, {meta['model']['params'] / 1e6:.2f} M parameters). The two come from different setups (the debug LLaMA on 4 ranks here, the "
         "benchmark's model on 8 ranks there): the product says how a format's effect on the steps needed and on "
         "the step time combine, not how long either model takes. A run that never reached the loss in "
         f"{steps} steps is shown as more than {steps} steps.", "",

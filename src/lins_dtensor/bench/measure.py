@@ -313,7 +313,7 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     t = dict(zip(samples, (float(v) for v in worst)))
     # Every rank at once, as the rest; long enough that time slicing averages out.
-    codec = measure_codec_rates(torch.device("cpu"), min_seconds=CODEC_CALIBRATION_S)
+    codec = measure_codec_rates(torch.device("cpu"), min_seconds=CODEC_CALIBRATION_S, sync=dist.barrier)
     slowest_codec = torch.tensor(list(codec.values()), dtype=torch.float64)
     dist.all_reduce(slowest_codec, op=dist.ReduceOp.MAX)
     flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
