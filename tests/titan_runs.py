@@ -264,7 +264,11 @@ def _environ(pid: int) -> dict[str, str]:
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        lines = (proc.stdout + proc.stderr).splitlines()
+        # A rank that aborts (a gloo enforce, a C++ terminate) says why far above torchrun's
+        # summary: keep those lines with the tail.
+        causes = [line for line in lines if "what():" in line or "terminate called" in line]
+        tail = "\n".join(causes[:10] + lines[-60:])
         raise AssertionError(f"training failed (rc={proc.returncode}):\n{tail}")
     return proc
 

@@ -221,9 +221,9 @@ def release_instances(instances: dict[str, Instance], later_rows: list[RowSpec])
     """Drop the instances no later M measures, so that each M runs beside its own
     strategies only. With every instance of every M alive at once (24 in the default
     run, 1.7 GB per rank), the M = 1 step times on the 2-core emulation came out 19-75 %
-    above those of the same rows in a run of 12 instances (the lossy Lins rows the most),
-    where one of 5 instances gave the same times within 10 %. Their process groups stay
-    (idle threads)."""
+    above those of the same rows in a run of 12 instances (the lossy Lins rows the most);
+    runs of 12 and of 5 instances agreed within 10 %. Their process groups stay (idle
+    threads)."""
     keep = {row.instance for row in later_rows}
     for key in [k for k in instances if k not in keep]:
         del instances[key]

@@ -236,9 +236,10 @@ def measure_codec_rates(
     where needed). Ranks that share cores (the emulated cluster: 8 ranks on 2) are
     descheduled for whole time slices, longer than a pass over 4M values, so a few
     calls measure the scheduler, not the kernels. ``sync`` (e.g. a barrier) runs before
-    each pass is timed, so that ranks sharing cores time the same kernel at once (without
-    it, the benchmark timed bf16 while other ranks still ran the calibration, 24.5 ns per
-    value, and int8 alone, 8.8 ns; one core alone does 1.2 and 7.3)."""
+    each pass is timed, so that ranks sharing cores time the same kernel at once: without
+    it the benchmark measured 24.5 ns per value for bf16 and 8.8 for int8, where one
+    process does about 1.2 and 7 (ranks done with their other work timed beside ranks
+    that were not)."""
     values = torch.randn(numel, device=device)
     rates = {}
 
