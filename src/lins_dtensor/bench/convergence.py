@@ -132,11 +132,12 @@ def cluster_time_to_loss(a: dict, cluster: dict) -> list[dict]:
     for row in cluster["strategies"]:
         if row["strategy"] not in TTL_STRATEGIES:
             continue
-        trained = seed0.get(key(run_formats(row)))
+        formats = run_formats(row)
+        trained = seed0.get(key(formats))
         median = row["step_time_s"]["median"]
         steps = None if trained is None else trained.ttl
         out.append({"microbatches": row["microbatches"], "strategy": row["strategy"], "plan": row["plan"],
-                    "chosen_for": row.get("chosen_for"), "formats": run_formats(row), "median_s": median,
+                    "chosen_for": row.get("chosen_for"), "formats": formats, "median_s": median,
                     "run": None if trained is None else trained.name, "steps": steps,
                     "seconds": None if steps is None else steps * median})
     return out

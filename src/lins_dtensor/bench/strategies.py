@@ -298,9 +298,10 @@ def in_bucket_order(hook):
     the previous one's future restores NCCL's order; the autograd thread never waits, so
     the communication still overlaps the backward pass. No annotations: DDP checks a
     hook's."""
-    previous: list[torch.futures.Future | None] = [None]
+    previous: torch.futures.Future | None = None  # this step's last bucket so far
 
     def bucket_ordered_hook(state, bucket):
+        nonlocal previous
         done: torch.futures.Future = torch.futures.Future()
 
         def forward_result(fut: torch.futures.Future) -> None:
@@ -317,13 +318,13 @@ def in_bucket_order(hook):
             except Exception as error:
                 done.set_exception(error)
 
-        if previous[0] is None:
+        if previous is None:
             start(None)
         else:
-            previous[0].add_done_callback(start)  # runs now when it is already done
+            previous.add_done_callback(start)  # runs now when it is already done
         # DDP waits for every bucket's future before backward returns: the next step's
         # first bucket starts at once, whatever this step's did.
-        previous[0] = None if bucket.is_last() else done
+        previous = None if bucket.is_last() else done
         return done
 
     bucket_ordered_hook.__name__ = f"bucket_ordered_{hook.__name__}"

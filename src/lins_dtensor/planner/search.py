@@ -20,7 +20,7 @@ from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import GiB, figure
 from lins_dtensor.planner.models import ModelSpec, PlannerError, model_from_module, model_from_text
 from lins_dtensor.planner.training import TrainingSpec
-from lins_dtensor.schedule import LOSSY_CAPABLE, group_size, group_stride, link_level, nodes_spanned
+from lins_dtensor.schedule import LOSSY_CAPABLE, group_link_level, group_size
 
 # (display name, preset text; {k} is the node size)
 BASELINES = (
@@ -127,9 +127,8 @@ def effective_formats(formats: CommFormats, plan: LinsPlan, cluster: ClusterSpec
         return None
     used = set()
     for spec in LOSSY_CAPABLE:
-        size = group_size(plan, cluster.dp_ranks, spec.mesh_dim)
-        if size > 1:
-            used.add(f"{spec.carries}_{link_level(nodes_spanned(size, group_stride(plan, spec.mesh_dim), cluster.dp_per_node))}")
+        if group_size(plan, cluster.dp_ranks, spec.mesh_dim) > 1:
+            used.add(f"{spec.carries}_{group_link_level(plan, spec.mesh_dim, cluster.dp_ranks, cluster.dp_per_node)}")
     return dataclasses.replace(formats, **{key: "exact" for key in _FORMAT_KEYS if key not in used})
 
 
