@@ -7,6 +7,7 @@ cluster.json and removes every namespace it created.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -456,3 +457,34 @@ _CALIBRATION = {"forward_backward_s": 1.0, "flops_per_s": 1e9, "optimizer_step_s
                 "unit_overhead_s": 0.0, "fsdp_forward_backward_s": 1.0, "replicated_unit_overhead_s": 0.0,
                 "lins_forward_backward_s": 1.0, "lins_overlap_fraction": 0.5,
                 "overlap_probe": {"message_bytes": 1, "all_reduce_s": 1.0, "compute_s": 1.0, "both_s": 1.0}}
+
+
+def test_ddp_bf16_hook_is_costed_as_its_own_bf16_all_reduce_and_casts():
+    """torch's bf16_compress_hook all-reduces the cast bucket as it is (2 bytes per value,
+    the backend's ring; no all-to-all as Lins' bf16 format runs) and casts every gradient
+    value down and back: its prediction is the ddp plan's with 2-byte reductions plus
+    two values per parameter at the bf16 codec rate."""
+    import argparse
+
+    from lins_dtensor import LinsPlan
+    from lins_dtensor.bench.measure import Ranks
+    from lins_dtensor.bench.model import MODEL_SIZES, build_model
+    from lins_dtensor.bench.planning import Overlap, Planning
+    from lins_dtensor.bench.strategies import equivalent_plan
+    from lins_dtensor.planner import evaluate, hardware_preset
+    from lins_dtensor.planner.models import model_from_module
+
+    spec = model_from_module(build_model("tiny"), name="tiny", ffn_dim=MODEL_SIZES["tiny"].ffn_dim)
+    hw = dataclasses.replace(hardware_preset("cpu-emulated"), ranks_per_node=4, codec_s_per_value={"bf16": 1e-8, "int8": 2e-8},
+                             unit_overhead_s=0.0, replicated_unit_overhead_s=0.0, copy_bw=math.inf)
+    args = argparse.Namespace(seq_len=16, batch_size=1, microbatches=[1])
+    planning = Planning(spec, hw, None, Ranks(0, 8, 4), args, Overlap(0.0, 0.8), Overlap(0.8, 0.8))
+    hook = planning.predict(1, equivalent_plan("ddp-bf16-hook", 4))
+    training = dataclasses.replace(planning.training(1, planning.run_overlap), reduce_bytes=2)
+    own = evaluate(LinsPlan.parse("ddp", 8), spec, planning.cluster(None), training)
+    casts = 2 * spec.num_params * 1e-8
+    assert hook["step_s"] == pytest.approx(own.step_s + casts)
+    assert hook["compute_s"]["backward"] == pytest.approx(own.compute_s["backward"] + casts)
+    assert hook["comm_s"] == pytest.approx(own.comm_s)
+    as_lins = planning.predict(1, equivalent_plan("lins-plan", 4, "ddp", "grads=bf16,grads:intra=bf16"))
+    assert as_lins["step_s"] != pytest.approx(hook["step_s"])  # Lins' bf16: all-to-all + all-gather

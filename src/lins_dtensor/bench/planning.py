@@ -141,7 +141,8 @@ class Planning:
         """The planner's cost of ``eq.plan`` as run by the strategy ``eq`` describes:
         stock HSDP has FSDP2 all-reduce (``fsdp2_reductions``), on every micro-batch but the
         last too (``extra_all_reduce``); DDP has neither FSDP2's nor Lins' host time per
-        unit and copies (``fsdp_hooks=False``; its own bucket copies are not modelled)."""
+        unit and copies (``fsdp_hooks=False``; its own bucket copies are not modelled); DDP's
+        bf16 hook all-reduces cast values (``cast_reduce_bytes``)."""
         world, rpn = self.ranks.world, self.ranks.per_node
         plan, formats = LinsPlan.parse(eq.plan, world), CommFormats.parse(eq.formats)
         cluster, training = self.cluster(None), self.training(microbatches, overlap)
@@ -156,11 +157,19 @@ class Planning:
                 param_bytes=training.param_bytes, reduce_bytes=training.reduce_bytes, formats=formats,
             )
             extra = [dataclasses.replace(r, count=r.count * (microbatches - 1)) for r in once if r.name == "optim_all_reduce"]
+        cast_s = 0.0
+        if eq.cast_reduce_bytes is not None:
+            # The hook's own all-reduce moves the cast values (not Lins' encoded collectives);
+            # every gradient value is cast down and back once a step in the last backward,
+            # at the bf16 format's measured encode/decode rate (the same kernels: a rounding cast).
+            training, formats = dataclasses.replace(training, reduce_bytes=eq.cast_reduce_bytes), CommFormats()
+            cast_s = 2 * self.spec.num_params * cluster.hardware.codec_seconds("bf16")
         cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions, formats=formats)
-        step_s, exposed, comm = cost.step_s, cost.exposed_s, cost.comm_s
+        step_s, exposed, comm = cost.step_s + cast_s, cost.exposed_s, cost.comm_s
+        compute = {**cost.compute_s, "backward": cost.compute_s["backward"] + cast_s}
         inter_nic, intra = cost.link_bytes("inter"), cost.link_bytes("intra")
         return {
-            "plan": eq.plan, "formats": eq.formats, "step_s": step_s, "compute_s": cost.compute_s, "comm_s": comm, "exposed_s": exposed,
+            "plan": eq.plan, "formats": eq.formats, "step_s": step_s, "compute_s": compute, "comm_s": comm, "exposed_s": exposed,
             "memory": cost.memory.gib(), "peak_bytes": cost.memory.peak,
             "state_bytes": {"params": cost.memory.params, "grads": cost.memory.grads, "optim": cost.memory.optim},
             "inter_nic_bytes": inter_nic, "intra_wire_bytes": intra,

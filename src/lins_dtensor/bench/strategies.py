@@ -347,6 +347,11 @@ class Equivalent(NamedTuple):
     # Why the planner cannot cost this strategy at all (its model lacks what the
     # strategy does); None: it can.
     not_costed: str | None = None
+    # A DDP hook that all-reduces its buckets cast to another dtype (torch's
+    # bf16_compress_hook: gloo's or NCCL's own all-reduce of bf16 values, summed in bf16):
+    # the bytes per value on the wire, costed as an exact all-reduce of that dtype plus
+    # the cast of every gradient value down and back. None: ``formats`` as Lins runs them.
+    cast_reduce_bytes: int | None = None
 
 
 DDP_NOTE = ("Lins ddp without per-unit host time and copies (one all-reduce per step, overlapped with the last "
@@ -365,8 +370,9 @@ def equivalent_plan(strategy: str, rpn: int, plan: str | None = None, formats: s
         "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, last micro-batch only", True),
         "hpz": Equivalent(f"hpz:{rpn}", False, True, f"costed as hpz:{rpn}"),
         "ddp": Equivalent("ddp", False, False, "costed as " + DDP_NOTE),
-        "ddp-bf16-hook": Equivalent("ddp", False, False, DDP_NOTE + ", its gradients all-reduced in bf16",
-                                    formats=formats_text(strategy_formats("ddp-bf16-hook"))),
+        "ddp-bf16-hook": Equivalent("ddp", False, False, DDP_NOTE + ", its gradients cast to bf16 and all-reduced as they are "
+                                    "(2 bytes per value, no all-to-all), then cast back",
+                                    formats=formats_text(strategy_formats("ddp-bf16-hook")), cast_reduce_bytes=2),
         "ddp-powersgd": Equivalent("ddp", False, False, DDP_NOTE + f", its gradients sent as PowerSGD's rank-{POWERSGD_RANK} "
                                    "P and Q (1-D weights as they are)",
                                    formats=formats_text(strategy_formats("ddp-powersgd")),
