@@ -488,3 +488,30 @@ def test_ddp_bf16_hook_is_costed_as_its_own_bf16_all_reduce_and_casts():
     assert hook["comm_s"] == pytest.approx(own.comm_s)
     as_lins = planning.predict(1, equivalent_plan("lins-plan", 4, "ddp", "grads=bf16,grads:intra=bf16"))
     assert as_lins["step_s"] != pytest.approx(hook["step_s"])  # Lins' bf16: all-to-all + all-gather
+
+
+def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
+    """Re-predicting the committed run rebuilds its planner from what it recorded: the
+    exact rows get the very predictions the run recorded (the cost model of exact plans
+    has not changed since; if it does, this test says so and the docs' figures need the
+    new numbers), DDP's bf16 hook the prediction of its own all-reduce (changed after the
+    run), every pick a prediction, and the text marks the rows beyond 20 %."""
+    from lins_dtensor.bench.repredict import main, repredict
+
+    run = Path(__file__).resolve().parents[1] / "bench" / "results"
+    out = repredict(run)
+    rows = {(r["strategy"], r["microbatches"], r["plan"]): r for r in out["rows"]}
+    recorded = json.loads((run / "cluster.json").read_text())["strategies"]
+    costed = [r for r in recorded if r["step_time_s"]["median"] and (r.get("predicted") or {}).get("step_s")]
+    assert len(rows) == len(costed) and ("ddp-powersgd", 1, "ddp") not in rows
+    for key in [k for k in rows if k[0] in ("lins-planner", "fsdp2", "hsdp", "ddp", "lins-zero1")]:
+        assert rows[key]["predicted_s"] == pytest.approx(rows[key]["recorded_s"], rel=1e-9), key
+    for m in (1, 4):
+        hook = rows[("ddp-bf16-hook", m, "ddp")]
+        assert hook["predicted_s"] < hook["recorded_s"] and hook["error"] == pytest.approx(hook["predicted_s"] / hook["measured_s"] - 1)
+    assert {p["strategy"] for p in out["picks"]} == {"lins-planner", "lins-planner-compressed", "lins-bf16", "lins-int8"}
+    assert all(p["predicted_s"] > 0 for p in out["picks"])
+    assert out["summary"]["M=4"]["rows"] == sum(1 for r in out["rows"] if r["microbatches"] == 4)
+    assert main([str(run)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("<- beyond 20 %") == out["summary"]["M=1"]["beyond_tolerance"] + out["summary"]["M=4"]["beyond_tolerance"]

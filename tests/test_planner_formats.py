@@ -15,7 +15,7 @@ from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner import ClusterSpec, TrainingSpec, choose_plan, evaluate, hardware_preset, search
 from lins_dtensor.planner.bandwidth import BandwidthTable, CollectiveTimer, alpha_beta_seconds
 from lins_dtensor.planner.cli import main
-from lins_dtensor.planner.cost import network_bytes
+from lins_dtensor.planner.cost import _can_hide, network_bytes
 from lins_dtensor.planner.hardware import CODEC_BYTES_PER_VALUE, hardware_from_json, hardware_to_json
 from lins_dtensor.planner.memory import memory_breakdown, rank0_units
 from lins_dtensor.planner.models import PlannerError, model_preset
@@ -84,6 +84,31 @@ def test_codec_work_gives_no_room_to_hide_collectives():
     assert sum(slow.codec_s.values()) > 10 * sum(fast.codec_s.values()) > 0
     assert slow.exposed_s == fast.exposed_s and sum(slow.exposed_s.values()) > 0
     assert slow.step_s == pytest.approx(fast.step_s + sum(slow.codec_s.values()) - sum(fast.codec_s.values()), rel=1e-12)
+
+
+def test_where_intra_node_traffic_cannot_hide_neither_do_all_to_alls_with_node_local_ranks():
+    """On hardware whose cores move the intra-node bytes (the emulated cluster), a lossy
+    reduction's all-to-all over several ranks of each node is exposed in full, as the
+    intra-node collectives are (measured: bench/results/codec-fixes-2026-12-02); one with
+    a single rank per node still hides, and on GPUs both hide."""
+    model, world = model_preset("debugmodel"), 8
+    emulated = dataclasses.replace(hardware_preset("cpu-emulated"), ranks_per_node=4)
+    training = TrainingSpec(seq_len=256, micro_batch=1, global_batch_tokens=256 * world)
+
+    def costs(plan: str, hides: bool):
+        cluster = ClusterSpec(world, 4, dataclasses.replace(emulated, intra_comm_hides=hides))
+        cost = evaluate(LinsPlan.parse(plan, world), model, cluster, training, formats=INT8)
+        a2a = [t for r, t in zip(cost.records, cost.record_s) if r.op is Op.ALL_TO_ALL]
+        return cost, sum(a2a), len(a2a)
+
+    spread, a2a_s, count = costs("p=1,g=8,os=8", hides=False)  # 4 ranks on each of 2 nodes
+    assert count and spread.records[0].nodes == 2
+    on_gpu, _, _ = costs("p=1,g=8,os=8", hides=True)
+    assert sum(spread.exposed_s.values()) >= a2a_s > sum(on_gpu.exposed_s.values())
+    one_per_node, _, count = costs("p=1,g=4,os=8", hides=False)  # the int8 group: 1 rank on each node
+    crossing = [r for r in one_per_node.records if r.op is Op.ALL_TO_ALL]
+    assert count and all(r.group_size == r.nodes == 2 and _can_hide(r, intra_hides=False) for r in crossing)
+    assert not any(_can_hide(r, intra_hides=False) for r in spread.records if r.op is Op.ALL_TO_ALL)
 
 
 def test_planner_chooses_a_lossy_format_that_pays_and_says_what_it_bought():

@@ -45,11 +45,11 @@ import torch.distributed as dist
 
 from lins_dtensor import LinsPlan
 from lins_dtensor.bench.measure import Instance, Ranks, calibrate, log, summarize_times
-from lins_dtensor.bench.model import MODEL_SIZES, build_model
-from lins_dtensor.bench.planning import Overlap, Planning, calibrated_hardware
+from lins_dtensor.bench.model import MODEL_SIZES
+from lins_dtensor.bench.planning import Overlap, Planning, bench_model_spec, calibrated_hardware
 from lins_dtensor.bench.report import RowSpec, make_row, run_meta, write_results
 from lins_dtensor.bench.strategies import DESCRIPTIONS, PLANNER_STRATEGIES, STRATEGIES, Strategies, equivalent_plan
-from lins_dtensor.planner import BandwidthTable, model_from_module
+from lins_dtensor.planner import BandwidthTable
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         f"{calib['replicated_unit_overhead_s'] * 1e3:.1f} ms; async collectives hide behind {calib['lins_overlap_fraction']:.2f} "
         f"of the compute they overlap")
     hw = calibrated_hardware(calib, ranks.per_node)
-    spec = model_from_module(build_model(args.model), name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
+    spec = bench_model_spec(args.model)
     lins_overlap = calib["lins_overlap_fraction"] if args.lins_overlap_fraction is None else args.lins_overlap_fraction
     run_overlap = Overlap(args.overlap_fraction, lins_overlap)
     reference_overlap = Overlap(args.reference_overlap_fraction, args.reference_overlap_fraction)

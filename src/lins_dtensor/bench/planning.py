@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lins_dtensor import CommFormats, LinsPlan
 from lins_dtensor.bench.measure import Ranks
+from lins_dtensor.bench.model import MODEL_SIZES, build_model
 from lins_dtensor.bench.strategies import FORMAT_STRATEGIES, PLANNER_STRATEGIES, Equivalent
 from lins_dtensor.planner import (
     BandwidthTable,
@@ -31,6 +32,7 @@ from lins_dtensor.planner import (
     choose_plan,
     evaluate,
     hardware_preset,
+    model_from_module,
     rank0_units,
 )
 from lins_dtensor.schedule import step_collectives
@@ -46,6 +48,11 @@ def budget_label(budget_gib: float | None) -> str:
 def reference_label(reference_overlap_fraction: float) -> str:
     """How the planner's choice under the reference overlap model is named."""
     return f"unlimited, overlap model {reference_overlap_fraction:g}"
+
+
+def bench_model_spec(size: str) -> ModelSpec:
+    """The planner's description of the benchmark model of ``size`` (:data:`MODEL_SIZES`)."""
+    return model_from_module(build_model(size), name=f"bench-{size}", ffn_dim=MODEL_SIZES[size].ffn_dim)
 
 
 def calibrated_hardware(calib: dict, ranks_per_node: int) -> HardwareSpec:
@@ -112,11 +119,12 @@ class Planning:
     def choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap, allowed_formats: str | None = None) -> dict:
         """Rank 0's choice, sent to every rank: each rank building a different plan from a
         near-tie would deadlock the first collective that only some of them issue."""
-        choice = [self._choose(microbatches, budget_gib, overlap, allowed_formats) if self.ranks.rank == 0 else None]
+        choice = [self.local_choice(microbatches, budget_gib, overlap, allowed_formats) if self.ranks.rank == 0 else None]
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _choose(self, microbatches: int, budget_gib: float | None, overlap: Overlap, allowed_formats: str | None) -> dict:
+    def local_choice(self, microbatches: int, budget_gib: float | None, overlap: Overlap, allowed_formats: str | None = None) -> dict:
+        """This process's choice (:meth:`choose` sends rank 0's to every rank)."""
         try:
             plan, ex = choose_plan(self.spec, self.cluster(budget_gib), self.training(microbatches, overlap), allowed_formats=allowed_formats)
         except PlannerError as exc:
