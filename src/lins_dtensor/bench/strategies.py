@@ -61,12 +61,12 @@ MAX_NORM = 1.0  # gradient clipping, for every strategy
 POWERSGD_RANK = 4
 POWERSGD_START_ITER = 2
 
-# The planner's pick with lossy wire formats allowed (lins_dtensor.formats): each format
-# whose convergence runs stayed inside fp32's noise band (docs/convergence.md), or one
-# format only; the planner decides where. Gradients are compressed across the nodes only:
-# inside the node a lossy reduction would round the partial sums a second time, a
-# different numerical path that no convergence run has covered. Parameters may be on
-# either level: every rank computes with the decoded values on both, the same numerics.
+# The planner's pick with lossy wire formats allowed (lins_dtensor.formats): both
+# formats, or one only; the planner decides where. Gradients are compressed across the
+# nodes only: inside the node a lossy reduction would round the partial sums a second
+# time, a path no convergence run covers (docs/convergence.md). Parameters may be
+# compressed on either level; a value gathered over both in a lossy format is encoded
+# twice, which the time-to-loss table marks when no convergence run trained that way.
 FORMAT_STRATEGIES = {
     "lins-planner-compressed": "grads=bf16|int8,params=bf16|int8,params:intra=bf16|int8",
     "lins-bf16": "grads=bf16,params=bf16,params:intra=bf16",
