@@ -498,7 +498,7 @@ def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     run), every pick a prediction, and the text marks the rows beyond 20 %."""
     from lins_dtensor.bench.repredict import main, repredict
 
-    run = Path(__file__).resolve().parents[1] / "bench" / "results"
+    run = Path(__file__).resolve().parents[1] / "bench" / "results" / "codec-fixes-2026-12-02"
     out = repredict(run)
     rows = {(r["strategy"], r["microbatches"], r["plan"]): r for r in out["rows"]}
     recorded = json.loads((run / "cluster.json").read_text())["strategies"]
