@@ -93,7 +93,8 @@ class HardwareSpec:
     reduce_scatter_is_all_reduce: bool = False
     # Whether a collective inside a node can run behind compute. False on the emulated
     # cluster: gloo over loopback copies through the kernel on the very cores that
-    # compute, so an intra-node collective is host work, which nothing hides.
+    # compute, so an intra-node collective is host work, which nothing hides; nor, as
+    # measured there, an all-to-all with several ranks on a node (cost._can_hide).
     intra_comm_hides: bool = True
     # The compute curve (lins_dtensor.planner.compute): kernel rates as shares of
     # peak_flops, each scaled by ``efficiency``. The defaults run every FLOP at
