@@ -34,6 +34,9 @@ from lins_dtensor.runtime import default_units
 from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, CollectiveRecord, UnitSchedule, fsdp2_copy_bytes, local_copy_bytes
 
 LR = 3e-4  # AdamW's learning rate, for every strategy and the calibration's optimizer step
+# Rounds of the start-up calibration after a warm-up round: each quantity is the slowest
+# rank's median over them (3 rounds once gave a host time per unit of 0 on 2 shared cores).
+CALIBRATION_ROUNDS = 6
 CODEC_CALIBRATION_S = 0.3  # seconds each wire-format kernel is timed for at start-up (many time slices)
 
 
@@ -253,7 +256,8 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
     * the host time per unit and micro-batch of FSDP2 (the same forward + backward with
       ``fully_shard`` on one-rank groups, which gather nothing) and of Lins where P is
       replicated (under ``apply_lins`` with the ddp plan, which communicates nothing
-      before the step), each less the copies the planner counts for it;
+      before the step), each less the copies the planner counts for it, taken from each
+      round's difference to the plain pass timed just before;
     * how much compute an asynchronous collective hides behind (Lins' executor): an
       all-reduce across the nodes, of the size each rank reduces under os=<node size>,
       alone, two forward + backward passes alone, and the two at once.
@@ -292,26 +296,32 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
         compute_twice()
         work.wait()
 
-    samples: dict[str, list[float]] = {k: [] for k in ("plain", "step", "copy", "lins", "fsdp", "comm", "compute2", "both")}
-    for i in range(4):
+    keys = ("plain", "lins", "fsdp", "lins_extra", "fsdp_extra", "step", "copy", "comm", "compute2", "both")
+    samples: dict[str, list[float]] = {k: [] for k in keys}
+    for i in range(CALIBRATION_ROUNDS + 1):
         values = {
             "plain": timed(forward_backward(model, i)),
-            "step": timed(opt.step),
-            "copy": timed(lambda: dst.copy_(src)),
             "lins": timed(forward_backward(replicated_model, i)),
             "fsdp": timed(forward_backward(fsdp_model, i)),
+            "step": timed(opt.step),
+            "copy": timed(lambda: dst.copy_(src)),
             "comm": timed(lambda: dist.all_reduce(message, group=cross)),
             "compute2": timed(compute_twice),
             "both": timed(both),
         }
+        # The host time of the hooks, each round against the plain pass just before it:
+        # the load on the shared cores drifts less within a round than across the run
+        # (a difference of separate medians once measured Lins' hooks as negative).
+        values["lins_extra"] = values["lins"] - values["plain"]
+        values["fsdp_extra"] = values["fsdp"] - values["plain"]
         for net in (model, replicated_model, fsdp_model):
             net.zero_grad(set_to_none=True)
         if i:  # the first round warms allocators and caches
             for key, value in values.items():
                 samples[key].append(value)
-    worst = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64)
+    worst = torch.tensor([statistics.median(samples[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    t = dict(zip(samples, (float(v) for v in worst)))
+    t = dict(zip(keys, (float(v) for v in worst)))
     # Every rank at once, as the rest; long enough that time slicing averages out.
     codec = measure_codec_rates(torch.device("cpu"), min_seconds=CODEC_CALIBRATION_S, sync=dist.barrier)
     slowest_codec = torch.tensor(list(codec.values()), dtype=torch.float64)
@@ -334,8 +344,8 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
         # The planner's optimizer model: numel * (2 * 4 * (1 + 2) + 4) bytes at hbm_bw.
         "optimizer_bytes_per_s": numel * (2 * 4 * 3 + 4) / t["step"],
         "copy_bytes_per_s": copy_bytes_per_s,
-        "unit_overhead_s": max(0.0, (t["fsdp"] - t["plain"] - fsdp_copies / copy_bytes_per_s) / len(units)),
-        "replicated_unit_overhead_s": max(0.0, (t["lins"] - t["plain"] - replicated_copies / copy_bytes_per_s) / len(units)),
+        "unit_overhead_s": max(0.0, (t["fsdp_extra"] - fsdp_copies / copy_bytes_per_s) / len(units)),
+        "replicated_unit_overhead_s": max(0.0, (t["lins_extra"] - replicated_copies / copy_bytes_per_s) / len(units)),
         "overlap_probe": {"all_reduce_s": t["comm"], "compute_s": t["compute2"], "both_s": t["both"], "message_bytes": message.numel() * 4},
         "lins_overlap_fraction": min(1.0, max(0.0, hidden / min(t["comm"], t["compute2"]))),
         # Seconds per value encoded or decoded by each lossy wire format (lins-plan profile's measurement).
