@@ -9,7 +9,6 @@ import multiprocessing.connection
 import multiprocessing.process
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -106,22 +105,19 @@ def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict |
     the launcher sees."""
     if not torchrun:
         return _forked(args, nproc, timeout, extra_env or {})
-    logs = tempfile.mkdtemp(prefix="lins-torchrun-")  # every rank's output, read after a failure
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "lins_dtensor.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--log-dir", logs,
-               "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", "lins_dtensor.train", *args]
     e = env()
     e.update(extra_env or {})
-    try:
+    with tempfile.TemporaryDirectory(prefix="lins-torchrun-") as logs:  # every rank's output, read after a failure
+        if nproc == 1:
+            cmd = [sys.executable, "-m", "lins_dtensor.train", *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--log-dir", logs,
+                   "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", "lins_dtensor.train", *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:  # the console shows rank 0 only: add the end of every rank's stderr
             for path in sorted(glob.glob(f"{logs}/**/stderr.log", recursive=True)):
                 proc.stderr += f"\n--- {Path(path).relative_to(logs)}\n" + "\n".join(Path(path).read_text(errors="replace").splitlines()[-15:])
         return proc
-    finally:
-        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _forked(args: list[str], nproc: int, timeout: int, extra_env: dict[str, str]) -> subprocess.CompletedProcess:

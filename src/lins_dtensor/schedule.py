@@ -424,8 +424,10 @@ def encoded_collectives(
             continue
         for spec in LOSSY_CAPABLE:
             size = group_size(plan, world_size, spec.mesh_dim)
+            if size == 1:
+                continue
             fmt = spec_format(spec, formats, group_link_level(plan, spec.mesh_dim, world_size, ranks_per_node))
-            if size > 1 and fmt.lossy:
+            if fmt.lossy:
                 times = microbatches if spec.phase is Phase.BACKWARD else 1
                 yield Encoded.of(spec, fmt, size, geo.layout(spec.layout), dtype_bytes[spec.dtype]), times
 
