@@ -492,10 +492,11 @@ def test_ddp_bf16_hook_is_costed_as_its_own_bf16_all_reduce_and_casts():
 
 def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     """Re-predicting the committed run rebuilds its planner from what it recorded: the
-    exact rows get the very predictions the run recorded (the cost model of exact plans
-    has not changed since; if it does, this test says so and the docs' figures need the
-    new numbers), DDP's bf16 hook the prediction of its own all-reduce (changed after the
-    run), every pick a prediction, and the text marks the rows beyond 20 %."""
+    exact rows get the very predictions the run recorded, but for those whose reductions
+    start inside the node (their cross-node links are exposed whole since the run), DDP's
+    bf16 hook the prediction of its own all-reduce (changed after the run), every pick a
+    prediction, and the text marks the rows beyond 20 %. (If the cost model of exact plans
+    changes again, this test says so and the docs' figures need the new numbers.)"""
     from lins_dtensor.bench.repredict import main, repredict
 
     run = Path(__file__).resolve().parents[1] / "bench" / "results" / "codec-fixes-2026-12-02"
@@ -504,8 +505,13 @@ def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     recorded = json.loads((run / "cluster.json").read_text())["strategies"]
     costed = [r for r in recorded if r["step_time_s"]["median"] and (r.get("predicted") or {}).get("step_s")]
     assert len(rows) == len(costed) and ("ddp-powersgd", 1, "ddp") not in rows
+    intra_headed = {"p=1,g=4,os=4", "p=1,g=1,os=4"}  # G, or OS, reduce-scattered over the 4 ranks of a node first
+    assert intra_headed <= {k[2] for k in rows if k[0] == "lins-planner"}
     for key in [k for k in rows if k[0] in ("lins-planner", "fsdp2", "hsdp", "ddp", "lins-zero1")]:
-        assert rows[key]["predicted_s"] == pytest.approx(rows[key]["recorded_s"], rel=1e-9), key
+        if key[2] in intra_headed:
+            assert rows[key]["predicted_s"] > rows[key]["recorded_s"] * 1.05, key
+        else:
+            assert rows[key]["predicted_s"] == pytest.approx(rows[key]["recorded_s"], rel=1e-9), key
     for m in (1, 4):
         hook = rows[("ddp-bf16-hook", m, "ddp")]
         assert hook["predicted_s"] < hook["recorded_s"] and hook["error"] == pytest.approx(hook["predicted_s"] / hook["measured_s"] - 1)
@@ -515,3 +521,24 @@ def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     assert main([str(run)]) == 0
     text = capsys.readouterr().out
     assert text.count("<- beyond 20 %") == out["summary"]["M=1"]["beyond_tolerance"] + out["summary"]["M=4"]["beyond_tolerance"]
+
+
+def test_a_chosen_plan_can_be_measured_in_chosen_wire_formats(capsys):
+    """``--strategies 'lins:<plan>|<formats>'`` measures that plan in those formats (its
+    row, instance and prediction carry them); a bad format is a one-line error at start."""
+    from lins_dtensor.bench.cluster import parse_args, rows_to_measure
+    from lins_dtensor.bench.measure import Ranks
+
+    base = ["--bandwidth", "unused.json", "--microbatches", "1"]
+    args = parse_args([*base, "--strategies", "lins:p=1,g=4,os=8|grads=int8,params=int8;lins:p=1,g=4,os=8;ddp"])
+    rows = rows_to_measure(args, {}, Ranks(0, 8, 4))[1]
+    lossy, exact = rows[0], rows[1]
+    assert (lossy.strategy, lossy.plan, lossy.formats) == ("lins-plan", "p=1,g=4,os=8", "grads=int8,params=int8")
+    assert lossy.instance == "lins:p=1,g=4,os=8|grads=int8,params=int8" and "formats grads=int8,params=int8" in lossy.label
+    assert (exact.formats, exact.instance) == ("exact", "lins:p=1,g=4,os=8") and rows[2].instance == "ddp"
+    commas = parse_args([*base, "--strategies", "ddp,lins:p=1,g=4,os=8|grads=int8,params=int8,lins:p=1,g=4,os=8,hsdp"])
+    assert commas.strategies == ["ddp", "lins:p=1,g=4,os=8|grads=int8,params=int8", "lins:p=1,g=4,os=8", "hsdp"]
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--strategies", "lins:p=1,g=4,os=8|grads=int3"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--strategies lins:p=1,g=4,os=8|grads=int3" in err and "int3" in err

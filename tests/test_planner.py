@@ -35,7 +35,7 @@ from lins_dtensor.planner import (
 from lins_dtensor.planner.bandwidth import CollectiveTimer, alpha_beta_seconds
 from lins_dtensor.planner.cli import main, model_arg, plan_parser
 from lins_dtensor.planner.compute import ComputeTerm, attention, gemm, model_flops_per_token
-from lins_dtensor.planner.cost import PlanCost
+from lins_dtensor.planner.cost import UPDATE_GATHERS, PlanCost
 from lins_dtensor.planner.hardware import hardware_preset, load_hardware
 from lins_dtensor.planner.models import model_from_text, tensor_parallel_local
 from lins_dtensor.planner.profile import (
@@ -737,6 +737,30 @@ def test_intra_node_collectives_cannot_hide_where_the_cores_move_them():
     assert sum(hides.exposed_s.values()) < sum(blocks.exposed_s.values()) and blocks.compute_s == hides.compute_s
     fsdp = LinsPlan.parse("fsdp", 8)  # FSDP2's collectives only: its own overlap model either way
     assert evaluate(fsdp, model, cpu, training).step_s == evaluate(fsdp, model, gpu, training).step_s
+
+
+def test_reductions_headed_by_an_intra_node_link_that_cannot_hide_are_exposed_whole():
+    """Where intra-node collectives cannot hide, a unit's cross-node reduction waits for
+    its intra-node head (the G-level reduce-scatter), which completes with the backward,
+    not behind it: the whole reduction chain is exposed (measured on the emulated
+    cluster, docs/benchmark.md "Compressed collectives"). With a cross-node head the
+    chain still hides behind backward."""
+    model, training = model_preset("debugmodel"), TrainingSpec(seq_len=256, global_batch_tokens=256 * 8)
+    cpu = ClusterSpec(8, 4, dataclasses.replace(hardware_preset("cpu-emulated"), ranks_per_node=4))
+    assert cpu.hardware.intra_comm_hides is False
+
+    def step_reductions(cost) -> float:
+        return sum(t for r, t, phase in zip(cost.records, cost.record_s, cost.record_phase)
+                   if phase == "step" and r.link == "inter" and r.name not in UPDATE_GATHERS)
+
+    headed = evaluate(LinsPlan.parse("p=1,g=4,os=8", 8), model, cpu, training)  # intra reduce-scatter, then across nodes
+    assert step_reductions(headed) > 0
+    gathers = sum(t for r, t in zip(headed.records, headed.record_s) if r.name in UPDATE_GATHERS)
+    assert headed.exposed_s["step"] >= step_reductions(headed) + max(t for r, t in zip(headed.records, headed.record_s)
+                                                                      if r.name in UPDATE_GATHERS and r.link == "intra")
+    assert headed.exposed_s["step"] <= step_reductions(headed) + gathers
+    across = evaluate(LinsPlan.parse("p=1,g=1,os=8", 8), model, cpu, training)  # one reduce-scatter across nodes
+    assert 0 < across.exposed_s["step"] < step_reductions(across)
 
 
 def test_small_budgets_and_byte_counts_keep_their_figures_in_messages():

@@ -49,6 +49,7 @@ from lins_dtensor.bench.model import MODEL_SIZES
 from lins_dtensor.bench.planning import Overlap, Planning, bench_model_spec, calibrated_hardware
 from lins_dtensor.bench.report import RowSpec, make_row, run_meta, write_results
 from lins_dtensor.bench.strategies import DESCRIPTIONS, PLANNER_STRATEGIES, STRATEGIES, Strategies, equivalent_plan
+from lins_dtensor.formats import CommFormats
 from lins_dtensor.planner import BandwidthTable
 
 
@@ -81,13 +82,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.microbatches = [int(x) for x in str(args.microbatches).split(",") if x.strip()]
-    args.strategies = list(STRATEGIES) if args.strategies == "all" else [s.strip() for s in args.strategies.split(";" if ";" in args.strategies else ",") if s.strip()]
+    args.strategies = list(STRATEGIES) if args.strategies == "all" else split_strategies(args.strategies)
     unknown = [s for s in args.strategies if s not in STRATEGIES and not s.startswith("lins:")]
     if unknown:
         p.error(f"unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
+    for s in args.strategies:
+        if s.startswith("lins:") and "|" in s:
+            try:
+                CommFormats.parse(s.partition("|")[2])
+            except ValueError as e:
+                p.error(f"--strategies {s}: {e}")
     if args.steps < 1 or args.warmup < 1 or not args.microbatches or min(args.microbatches) < 1:
         p.error("need --steps >= 1, --warmup >= 1 (it measures memory) and micro-batch counts >= 1")
     return args
+
+
+def split_strategies(text: str) -> list[str]:
+    """The strategies of ``--strategies``: split at ';' where there is one, else at ','
+    but for the commas inside a 'lins:<plan>[|<formats>]' ("lins:p=1,g=4,os=8,ddp")."""
+    if ";" in text:
+        return [s.strip() for s in text.split(";") if s.strip()]
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if out and out[-1].startswith("lins:") and part not in STRATEGIES and not part.startswith("lins:"):
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,8 +217,11 @@ def rows_to_measure(args: argparse.Namespace, choices: dict[str, dict[tuple[int,
             if s in PLANNER_STRATEGIES or (s == "hsdp-deferred" and m == 1):
                 continue  # hsdp-deferred is hsdp itself with one micro-batch
             if s.startswith("lins:"):
-                plan = str(LinsPlan.parse(s[len("lins:"):], ranks.world))
-                rows.append(RowSpec("lins-plan", f"Lins, plan {plan}", plan, m, lins_instance(plan)))
+                spec, _, formats = s[len("lins:"):].partition("|")
+                plan = str(LinsPlan.parse(spec, ranks.world))
+                formats = str(CommFormats.parse(formats)) if formats else "exact"
+                label = f"Lins, plan {plan}" + ("" if formats == "exact" else f", formats {formats}")
+                rows.append(RowSpec("lins-plan", label, plan, m, lins_instance(plan, formats), formats=formats))
             elif s.startswith("lins-"):
                 plan = str(LinsPlan.parse(equivalent_plan(s, ranks.per_node).plan, ranks.world))
                 rows.append(RowSpec(s, DESCRIPTIONS[s], plan, m, lins_instance(plan)))
