@@ -186,10 +186,8 @@ def test_all_to_all_timing():
 
 
 def test_codec_rates_measured_and_kept_in_hardware_files():
-    synced = []
-    rates = measure_codec_rates(torch.device("cpu"), numel=1 << 16, iters=1, min_seconds=0.01, sync=lambda: synced.append(1))
+    rates = measure_codec_rates(torch.device("cpu"), numel=1 << 16, iters=1)
     assert set(rates) == {"bf16", "int8"} and all(r > 0 for r in rates.values())
-    assert len(synced) == 4  # before each timed pass: encode and decode of each lossy format
     hw = dataclasses.replace(hardware_preset("h100-sxm"), codec_s_per_value=rates)
     assert hardware_from_json(json.loads(json.dumps(hardware_to_json(hw)))) == hw
     assert hw.codec_seconds("int8") == rates["int8"]

@@ -25,10 +25,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh
 from lins_dtensor.bench.model import MODEL_SIZES, batch, build_model, loss_fn
+from lins_dtensor.formats import FORMATS
 from lins_dtensor.planner.compute import model_flops_per_token
 from lins_dtensor.planner.cost import network_bytes
 from lins_dtensor.planner.memory import rank0_units
-from lins_dtensor.planner.profile import measure_codec_rates
 from lins_dtensor.planner.models import model_from_module
 from lins_dtensor.runtime import default_units
 from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, CollectiveRecord, UnitSchedule, fsdp2_copy_bytes, local_copy_bytes
@@ -37,7 +37,6 @@ LR = 3e-4  # AdamW's learning rate, for every strategy and the calibration's opt
 # Rounds of the start-up calibration after a warm-up round: each quantity is the slowest
 # rank's median over them (3 rounds once gave a host time per unit of 0 on 2 shared cores).
 CALIBRATION_ROUNDS = 6
-CODEC_CALIBRATION_S = 0.3  # seconds each wire-format kernel is timed for at start-up (many time slices)
 
 
 # ----- the job --------------------------------------------------------------------------------
@@ -260,7 +259,12 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
       round's difference to the plain pass timed just before;
     * how much compute an asynchronous collective hides behind (Lins' executor): an
       all-reduce across the nodes, of the size each rank reduces under os=<node size>,
-      alone, two forward + backward passes alone, and the two at once.
+      alone, two forward + backward passes alone, and the two at once;
+    * each lossy wire format's seconds per value: an encode and a decode of that
+      message's values, timed in the same rounds as the rest (a separate long pass at
+      the end, behind its own barriers, measured bf16 at 15-24 ns per value in the
+      benchmark, where its kernels cost about 2 in the run's chains; why is not pinned
+      down).
     """
     rank, world, rpn = ranks
     ma = MODEL_SIZES[args.model]
@@ -296,7 +300,14 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
         compute_twice()
         work.wait()
 
-    keys = ("plain", "lins", "fsdp", "lins_extra", "fsdp_extra", "step", "copy", "comm", "compute2", "both")
+    lossy = {name: fmt for name, fmt in FORMATS.items() if fmt.lossy}
+    encoded = {name: torch.empty(fmt.chunk_bytes(message.numel(), 4), dtype=torch.uint8) for name, fmt in lossy.items()}
+
+    def codec(name: str) -> Callable[[], object]:  # one encode and one decode of every value of the message
+        fmt = lossy[name]
+        return lambda: fmt.decode(fmt.encode(src[: message.numel()], 1, encoded[name]), 1, message.numel())
+
+    keys = ("plain", "lins", "fsdp", "lins_extra", "fsdp_extra", "step", "copy", "comm", "compute2", "both", *lossy)
     samples: dict[str, list[float]] = {k: [] for k in keys}
     for i in range(CALIBRATION_ROUNDS + 1):
         values = {
@@ -308,6 +319,7 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
             "comm": timed(lambda: dist.all_reduce(message, group=cross)),
             "compute2": timed(compute_twice),
             "both": timed(both),
+            **{name: timed(codec(name)) for name in lossy},
         }
         # The host time of the hooks, each round against the plain pass just before it:
         # the load on the shared cores drifts less within a round than across the run
@@ -322,10 +334,6 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
     worst = torch.tensor([statistics.median(samples[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     t = dict(zip(keys, (float(v) for v in worst)))
-    # Every rank at once, as the rest; long enough that time slicing averages out.
-    codec = measure_codec_rates(torch.device("cpu"), min_seconds=CODEC_CALIBRATION_S, sync=dist.barrier)
-    slowest_codec = torch.tensor(list(codec.values()), dtype=torch.float64)
-    dist.all_reduce(slowest_codec, op=dist.ReduceOp.MAX)
     flops = model_flops_per_token(spec, args.seq_len) * args.seq_len * args.batch_size
     copy_bytes_per_s = 2 * numel * 4 / t["copy"]
     units = rank0_units(spec, replicated)
@@ -349,7 +357,7 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
         "overlap_probe": {"all_reduce_s": t["comm"], "compute_s": t["compute2"], "both_s": t["both"], "message_bytes": message.numel() * 4},
         "lins_overlap_fraction": min(1.0, max(0.0, hidden / min(t["comm"], t["compute2"]))),
         # Seconds per value encoded or decoded by each lossy wire format (lins-plan profile's measurement).
-        "codec_s_per_value": dict(zip(codec, (float(v) for v in slowest_codec))),
+        "codec_s_per_value": {name: t[name] / (2 * message.numel()) for name in lossy},
     }
 
 

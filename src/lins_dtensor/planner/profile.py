@@ -224,39 +224,21 @@ def measure_kernels(shapes: KernelShapes, device: torch.device, dtype: torch.dty
 CODEC_VALUES = 1 << 22  # 4M values: each kernel a pass over a buffer far beyond the caches
 
 
-def measure_codec_rates(
-    device: torch.device, numel: int = CODEC_VALUES, iters: int = 5, min_seconds: float = 0.0, sync: Callable[[], object] | None = None,
-) -> dict[str, float]:
+def measure_codec_rates(device: torch.device, numel: int = CODEC_VALUES, iters: int = 5) -> dict[str, float]:
     """Seconds per value encoded or decoded by each lossy wire format's own kernels
     (:mod:`lins_dtensor.formats`) on ``device``: fp32 values cut into one row, as
     :func:`lins_dtensor.schedule.codec_values` counts values (each encode and each
-    decode of a value once), so the rate is the mean of the two passes.
-
-    ``min_seconds``: time each pass for at least that long (more calls than ``iters``
-    where needed). Ranks that share cores (the emulated cluster: 8 ranks on 2) are
-    descheduled for whole time slices, longer than a pass over 4M values, so a few
-    calls measure the scheduler, not the kernels. ``sync`` (e.g. a barrier) runs before
-    each pass is timed, so that ranks sharing cores time the same kernel at once: without
-    it the benchmark measured 24.5 ns per value for bf16 and 8.8 for int8, where one
-    process does about 1.2 and 7 (ranks done with their other work timed beside ranks
-    that were not)."""
+    decode of a value once), so the rate is the mean of the two passes. (The emulated
+    cluster's benchmark times the same kernels in its start-up rounds instead, beside
+    the same work on every rank: ``lins_dtensor.bench.measure.calibrate``.)"""
     values = torch.randn(numel, device=device)
     rates = {}
-
-    def seconds(call: Callable[[], object]) -> float:
-        if sync is not None:
-            sync()
-        first = _seconds(call, device, iters)
-        if first * iters >= min_seconds:
-            return first
-        return _seconds(call, device, math.ceil(min_seconds / max(first, 1e-9)), warmup=0)
-
     for name, fmt in FORMATS.items():
         if not fmt.lossy:
             continue
         out = torch.empty(fmt.chunk_bytes(numel, 4), dtype=torch.uint8, device=device)
-        encode_s = seconds(lambda: fmt.encode(values, 1, out))
-        decode_s = seconds(lambda: fmt.decode(out, 1, numel))
+        encode_s = _seconds(lambda: fmt.encode(values, 1, out), device, iters)
+        decode_s = _seconds(lambda: fmt.decode(out, 1, numel), device, iters)
         rates[name] = (encode_s + decode_s) / (2 * numel)
     return rates
 
