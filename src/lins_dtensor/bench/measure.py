@@ -356,7 +356,7 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
         "replicated_unit_overhead_s": max(0.0, (t["lins_extra"] - replicated_copies / copy_bytes_per_s) / len(units)),
         "overlap_probe": {"all_reduce_s": t["comm"], "compute_s": t["compute2"], "both_s": t["both"], "message_bytes": message.numel() * 4},
         "lins_overlap_fraction": min(1.0, max(0.0, hidden / min(t["comm"], t["compute2"]))),
-        # Seconds per value encoded or decoded by each lossy wire format (lins-plan profile's measurement).
+        # Seconds per value encoded or decoded by each lossy wire format (what lins-plan profile measures).
         "codec_s_per_value": {name: t[name] / (2 * message.numel()) for name in lossy},
     }
 
