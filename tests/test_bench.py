@@ -491,8 +491,8 @@ def test_ddp_bf16_hook_is_costed_as_its_own_bf16_all_reduce_and_casts():
 
 
 def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
-    """Re-predicting the committed run rebuilds its planner from what it recorded: the
-    exact rows get the very predictions the run recorded, but for those whose reductions
+    """Re-predicting a recorded run (the second of 2026-12-02) rebuilds its planner from
+    what it recorded: the exact rows get the very predictions the run recorded, but for those whose reductions
     start inside the node (their cross-node links are exposed whole since the run), DDP's
     bf16 hook the prediction of its own all-reduce (changed after the run), every pick a
     prediction, and the text marks the rows beyond 20 %. (If the cost model of exact plans
