@@ -87,14 +87,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
     for s in args.strategies:
-        if s.startswith("lins:") and "|" in s:
+        if s.startswith("lins:"):
             try:
-                CommFormats.parse(s.partition("|")[2])
+                lins_strategy(s)
             except ValueError as e:
                 p.error(f"--strategies {s}: {e}")
     if args.steps < 1 or args.warmup < 1 or not args.microbatches or min(args.microbatches) < 1:
         p.error("need --steps >= 1, --warmup >= 1 (it measures memory) and micro-batch counts >= 1")
     return args
+
+
+def lins_strategy(text: str) -> tuple[str, str]:
+    """The plan text and wire formats ("exact" when none) of a 'lins:<plan>[|<formats>]'
+    strategy; a bad format raises (the plan is parsed where the world size is known)."""
+    plan, _, formats = text[len("lins:"):].partition("|")
+    return plan, str(CommFormats.parse(formats)) if formats else "exact"
 
 
 def split_strategies(text: str) -> list[str]:
@@ -217,9 +224,8 @@ def rows_to_measure(args: argparse.Namespace, choices: dict[str, dict[tuple[int,
             if s in PLANNER_STRATEGIES or (s == "hsdp-deferred" and m == 1):
                 continue  # hsdp-deferred is hsdp itself with one micro-batch
             if s.startswith("lins:"):
-                spec, _, formats = s[len("lins:"):].partition("|")
+                spec, formats = lins_strategy(s)
                 plan = str(LinsPlan.parse(spec, ranks.world))
-                formats = str(CommFormats.parse(formats)) if formats else "exact"
                 label = f"Lins, plan {plan}" + ("" if formats == "exact" else f", formats {formats}")
                 rows.append(RowSpec("lins-plan", label, plan, m, lins_instance(plan, formats), formats=formats))
             elif s.startswith("lins-"):
