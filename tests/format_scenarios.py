@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh
+from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh, lins_optimizer
 from lins_dtensor.runtime import lins_state
 from tiny_llama import batch, build_model, loss_fn
 
@@ -33,3 +34,36 @@ def reduced_gradients(plan_text: str, formats: str) -> dict:
     every_rank: list = [None] * world
     dist.all_gather_object(every_rank, own)
     return {"reduced": reduced, "per_rank": every_rank}
+
+
+def computed_parameters(plan_text: str, formats: str) -> dict:
+    """One training step, then the parameter values every leaf module computed with in
+    the next forward (read in forward pre-hooks, after FSDP2 gathered them) on every
+    rank, the whole P (its shards, as the update left them) and which parameters are
+    frozen (replicated, never gathered)."""
+    from scenarios import _full
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = LinsPlan.parse(plan_text, world)
+    model = build_model()
+    apply_lins(model, build_lins_mesh(plan, ranks_per_node=2, device_type="cpu"), comm_formats=formats)
+    opt = lins_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    loss_fn(model, batch(0, rank, 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    computed: dict[str, torch.Tensor] = {}
+
+    def read(prefix: str):
+        def hook(module, args) -> None:
+            for name, param in module.named_parameters(recurse=False):
+                computed[prefix + name] = param.detach().float().clone()
+        return hook
+
+    handles = [m.register_forward_pre_hook(read(f"{fqn}." if fqn else "")) for fqn, m in model.named_modules()]
+    loss_fn(model, batch(1, rank, 0)).backward()
+    for handle in handles:
+        handle.remove()
+    every_rank: list = [None] * world
+    dist.all_gather_object(every_rank, computed)
+    return {"computed": every_rank, "params": {n: _full(p).float() for n, p in model.named_parameters()},
+            "frozen": {n for n, p in model.named_parameters() if not p.requires_grad}}

@@ -20,6 +20,7 @@ from lins_dtensor.planner.hardware import CODEC_BYTES_PER_VALUE, hardware_from_j
 from lins_dtensor.planner.memory import memory_breakdown, rank0_units
 from lins_dtensor.planner.models import PlannerError, model_preset
 from lins_dtensor.planner.profile import measure_codec_rates, needed_shapes
+from lins_dtensor.planner.search import effective_formats
 from lins_dtensor.schedule import Op, codec_values, error_feedback_bytes, step_collectives
 
 # A slow network (1 Gbit/s per node) under fast GPUs: compressing gradients pays.
@@ -51,7 +52,10 @@ def test_lossy_format_saves_comm_and_adds_codec_compute_and_error_feedback():
     plan = LinsPlan.parse("p=1,g=2,os=2", 8)  # the step all-reduce spans the 4 nodes
     exact = evaluate(plan, model, cluster, TRAINING)
     lossy = evaluate(plan, model, cluster, TRAINING, formats=INT8)
-    assert {r.op for r in lossy.records if r.name == "optim_all_reduce"} == {Op.ALL_TO_ALL, Op.ALL_GATHER}
+    all_reduces = [r for r in lossy.records if r.name == "optim_all_reduce"]
+    assert {r.op for r in all_reduces if r.format == "int8"} == {Op.ALL_TO_ALL, Op.ALL_GATHER}
+    # The norm weights' units run exact: int8 blocks padded around their few values would not shrink them.
+    assert all(r.message_bytes < min(q.exact_bytes for q in all_reduces if q.format == "int8") for r in all_reduces if r.format == "exact")
     assert sum(lossy.comm_s.values()) < sum(exact.comm_s.values()) and lossy.step_s < exact.step_s
     assert lossy.link_bytes("inter") < exact.link_bytes("inter")
     # Codec work: schedule's values at the hardware's rate, added to its phase's compute.
@@ -70,6 +74,27 @@ def test_lossy_format_saves_comm_and_adds_codec_compute_and_error_feedback():
     assert memory_breakdown(model, plan, TRAINING, formats=INT8, world_size=8, ranks_per_node=2) == lossy.memory
     with pytest.raises(PlannerError, match="need world_size and ranks_per_node"):
         memory_breakdown(model, plan, TRAINING, formats=INT8)
+
+
+def test_fsdp2_gathers_of_p_take_the_params_format_of_their_level():
+    """With P sharded inside the node (p=4 of 4 ranks per node), ``params:intra`` puts
+    FSDP2's forward and backward gathers of P in its format: fewer bytes inside the node,
+    codec work in forward and backward, their encoded buffers in memory; the search keeps
+    the setting for such a plan and drops it where no parameter gather stays in a node."""
+    model, training = model_preset("debugmodel"), TrainingSpec(seq_len=64, global_batch_tokens=64 * 8)
+    cluster = ClusterSpec.preset("cpu-emulated", 8, 4)
+    plan, fmts = LinsPlan.parse("p=4,g=8,os=8", 8), CommFormats(params_intra="int8")
+    exact = evaluate(plan, model, cluster, training)
+    lossy = evaluate(plan, model, cluster, training, formats=fmts)
+    gathers = [r for r in lossy.records if r.name in ("param_all_gather", "param_regather") and r.format == "int8"]
+    assert {r.name for r in gathers} == {"param_all_gather", "param_regather"}
+    # bf16 parameters (the training's default): int8 blocks of 256 values and a 4-byte scale, about half.
+    assert all(r.link == "intra" and r.message_bytes < 0.52 * r.exact_bytes for r in gathers)
+    assert lossy.link_bytes("intra") < exact.link_bytes("intra") and lossy.link_bytes("inter") == exact.link_bytes("inter")
+    assert lossy.codec_s["forward"] > 0 and lossy.codec_s["backward"] > 0 and lossy.codec_s["step"] == 0
+    assert lossy.memory.buffers > exact.memory.buffers and lossy.memory.error_feedback == 0
+    assert effective_formats(fmts, plan, cluster, training) == fmts
+    assert effective_formats(fmts, LinsPlan.parse("p=1,g=8,os=8", 8), cluster, training) == CommFormats()
 
 
 def test_codec_work_gives_no_room_to_hide_collectives():
@@ -157,7 +182,7 @@ def test_gather_half_of_a_lossy_all_reduce_is_a_step_reduction():
     training = dataclasses.replace(TRAINING, reduce_in_backward=False)
     cost = evaluate(plan, model, cluster, training, formats=INT8)
     halves = [(r, t) for r, t in zip(cost.records, cost.record_s) if r.name == "optim_all_reduce"]
-    assert {r.op for r, _ in halves} == {Op.ALL_TO_ALL, Op.ALL_GATHER}
+    assert {r.op for r, _ in halves if r.format == "int8"} == {Op.ALL_TO_ALL, Op.ALL_GATHER}
     step = sum(t for t, phase in zip(cost.record_s, cost.record_phase) if phase == "step")
     assert cost.exposed_s["step"] == pytest.approx(step, rel=1e-12)
     # Had FSDP2 issued the step reductions, both halves move to backward.

@@ -287,6 +287,10 @@ def test_a_bucket_reset_after_a_failed_backward_sends_nothing():
 
 
 # ----- lossy wire formats: error feedback ------------------------------------------------------
+# Large enough that int8 blocks shrink every rank's chunk (SHAPES' would run exact).
+FEEDBACK_SHAPES = [(5, 130), (700,), (2, 2), (1, 4)]
+
+
 @pytest.mark.parametrize("plan", ["ddp", "p=1,g=4,os=4"])
 def test_int8_error_feedback_delays_what_rounding_loses_and_loses_nothing(plan, device_mesh, monkeypatch):
     """int8 gradient reductions across 2 emulated nodes of 2 ranks (ddp: the all-reduce
@@ -297,21 +301,21 @@ def test_int8_error_feedback_delays_what_rounding_loses_and_loses_nothing(plan, 
     not lose it), while each step's delivered gradient is not the exact one."""
     from lins_dtensor.formats import CommFormats
 
-    world = SimWorld(LinsPlan.parse(plan, 4), 4, device_mesh, SHAPES, formats=CommFormats.parse("grads=int8,grads:intra=int8"),
+    world = SimWorld(LinsPlan.parse(plan, 4), 4, device_mesh, FEEDBACK_SHAPES, formats=CommFormats.parse("grads=int8,grads:intra=int8"),
                      ranks_per_node=2)
     world.install(monkeypatch)
     assert all(unit.geometry.optim.k == 1 for unit in world.units)  # the OS gradient is in the G chunk's layout
     delivered = [[torch.zeros(s) for s in unit.geometry.local_shapes("optim")] for unit in world.units]
-    total = [torch.zeros(s) for s in SHAPES]
+    total = [torch.zeros(s) for s in FEEDBACK_SHAPES]
     gen = torch.Generator().manual_seed(0)
     for step in range(5):
-        grads = {(r, 0): [torch.randn(s, generator=gen) for s in SHAPES] for r in range(4)}
+        grads = {(r, 0): [torch.randn(s, generator=gen) for s in FEEDBACK_SHAPES] for r in range(4)}
         run_backwards(world, grads, 1)
-        exact = [sum(grads[r, 0][i] for r in range(4)) for i in range(len(SHAPES))]
+        exact = [sum(grads[r, 0][i] for r in range(4)) for i in range(len(FEEDBACK_SHAPES))]
         total = [t + e for t, e in zip(total, exact)]
         rounded = False
         for rank, unit in enumerate(world.units):
-            unit.finalize_grads([True] * len(SHAPES))
+            unit.finalize_grads([True] * len(FEEDBACK_SHAPES))
             got = [m.grad * 4 for m in unit.local_masters]  # the unit divided by the 4 ranks
             rounded |= any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(got, world.optim_rows(rank, exact)))
             delivered[rank] = [d + g for d, g in zip(delivered[rank], got)]

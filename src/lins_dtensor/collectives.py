@@ -27,7 +27,17 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lins_dtensor.compat import AllGather, ReduceScatter, all_gather_single, fsdp_wait_all_gather_streams, in_backward, reduce_scatter_single
-from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, PARAM_REGATHER, CollectiveRecord, CollectiveSpec, Op
+from lins_dtensor.formats import CommFormats
+from lins_dtensor.schedule import (
+    GRAD_REDUCE_SCATTER,
+    PARAM_ALL_GATHER,
+    PARAM_REGATHER,
+    CollectiveRecord,
+    CollectiveSpec,
+    Encoded,
+    Op,
+    link_level,
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,7 +126,8 @@ class CommRecorder:
     def last_step(self) -> list[CollectiveRecord]:
         return self.ended(1)[0]
 
-    def _describe(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    def describe(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
+        """The ranks of ``group`` and the nodes they span."""
         key = id(group)
         if key not in self._group_info:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
@@ -128,7 +139,7 @@ class CommRecorder:
         """Record one collective of ``spec`` (as ``op`` in wire format ``fmt``, standing
         for ``exact_bytes`` of values, when it runs encoded: :class:`~lins_dtensor.schedule.Encoded`)."""
         step = self.step if step is None else step
-        size, nodes = self._describe(group)
+        size, nodes = self.describe(group)
         nbytes = message.numel() * message.element_size()
         timing = CommTiming(spec.name, spec.state, time.perf_counter())
         if step in self._records:  # else: a step already dropped (three steps back)
@@ -397,9 +408,10 @@ def _time_blocking_call(timing: CommTiming, device: torch.device) -> None:
 
 
 # ----- FSDP2's collectives, recorded through its extension points ----------------------
-def _fsdp_call(recorder: CommRecorder, spec: CollectiveSpec, group, message: torch.Tensor, call, async_op: bool):
+def _fsdp_call(recorder: CommRecorder, spec: CollectiveSpec, group, message: torch.Tensor, call, async_op: bool,
+               fmt: str = "exact", exact_bytes: int | None = None):
     with record_function(f"lins::{spec.name}"):
-        timing = recorder.record(spec, group, message)
+        timing = recorder.record(spec, group, message, fmt=fmt, exact_bytes=exact_bytes)
         work = call()
         if async_op:
             timing.exposed = None  # FSDP2 waits for it where Lins cannot see
@@ -409,18 +421,64 @@ def _fsdp_call(recorder: CommRecorder, spec: CollectiveSpec, group, message: tor
 
 
 class LinsAllGather(AllGather):
-    """FSDP2's parameter all-gather, recorded (FSDP2 ``set_custom_all_gather``)."""
+    """FSDP2's parameter all-gather, recorded (FSDP2 ``set_custom_all_gather``), in the
+    wire format ``formats`` gives parameters on its group's link level.
 
-    def __init__(self, recorder: CommRecorder) -> None:
+    Lossy: each rank encodes its shard, the encoded shards are gathered, and every rank,
+    the owner of a shard included, writes the decoded values into FSDP2's output, so every
+    rank computes with bitwise the same parameters (forward and backward alike: the
+    encoding is deterministic) while its shard stays what it was. Streams: FSDP2 calls
+    this on its all-gather stream; the encode, the collective and (synchronous) the
+    decode are ordered on it, and the encoded buffers are allocated there and freed once
+    the decode is enqueued. Asynchronous (CPU, explicit prefetch): FSDP2 waits through
+    :class:`_DecodedOnWait`, which decodes once the gather has completed and keeps the
+    encoded buffers alive until then. A unit whose gather FSDP2 packs as bytes (parameters
+    of several dtypes) is gathered exact."""
+
+    def __init__(self, recorder: CommRecorder, formats: CommFormats = CommFormats()) -> None:
         self.recorder = recorder
+        self.formats = formats
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         spec = PARAM_REGATHER if in_backward() else PARAM_ALL_GATHER
-        call = lambda: all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)  # noqa: E731
-        return _fsdp_call(self.recorder, spec, group, output_tensor, call, async_op)
+        size, nodes = self.recorder.describe(group)
+        fmt = self.formats.of("params", link_level(nodes))
+        encoded = Encoded.shrinking(spec, fmt, size, input_tensor.numel(), input_tensor.element_size())
+        if encoded is None or not input_tensor.is_floating_point():
+            call = lambda: all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)  # noqa: E731
+            return _fsdp_call(self.recorder, spec, group, output_tensor, call, async_op)
+        device = input_tensor.device
+        sent = fmt.encode(input_tensor, 1, torch.empty(encoded.chunk_bytes, dtype=torch.uint8, device=device))
+        gathered = torch.empty(encoded.message_bytes, dtype=torch.uint8, device=device)
+
+        def decode() -> None:
+            output_tensor.view(size, -1).copy_(fmt.decode(gathered, size, encoded.chunk_numel))
+
+        call = lambda: all_gather_single(gathered, sent, group=group, async_op=async_op)  # noqa: E731
+        work = _fsdp_call(self.recorder, spec, group, gathered, call, async_op, fmt=fmt.name, exact_bytes=encoded.exact_message_bytes)
+        if async_op:
+            return _DecodedOnWait(work, decode)
+        decode()
+        return work
+
+
+class _DecodedOnWait(dist.Work):
+    """An asynchronous lossy gather as FSDP2 waits for it: :meth:`wait` waits for the
+    encoded gather, then decodes it into FSDP2's output (once)."""
+
+    def __init__(self, work: dist.Work, decode) -> None:
+        super().__init__()
+        self._work, self._decode = work, decode
+
+    def wait(self, *args) -> bool:
+        if self._decode is not None:
+            self._work.wait(*args)
+            self._decode()
+            self._decode = None
+        return True
 
 
 class LinsReduceScatter(ReduceScatter):

@@ -79,9 +79,9 @@ class CollectiveSpec:
     message is that layout's whole buffer (``total``), or one chunk row (``chunk``)
     for the all-reduce; "scalar" is one value, "flags" one per parameter of the model.
     ``dtype`` is "param", "reduce", "float32" or "uint8". ``carries`` says what a
-    collective Lins issues moves, "grads" or "params" (the kinds of
+    collective moves, "grads" or "params" (the kinds of
     :class:`~lins_dtensor.formats.CommFormats`), and so which wire format it may take;
-    ``None`` (FSDP2's, the flags, the norm): always exact.
+    ``None`` (FSDP2's P-group reduce-scatter, the flags, the norm): always exact.
     """
 
     name: str
@@ -95,8 +95,8 @@ class CollectiveSpec:
     carries: str | None = None
 
 
-PARAM_ALL_GATHER = CollectiveSpec("param_all_gather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.FORWARD, "param", "params", "fsdp2")
-PARAM_REGATHER = CollectiveSpec("param_regather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.BACKWARD, "param", "params", "fsdp2")
+PARAM_ALL_GATHER = CollectiveSpec("param_all_gather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.FORWARD, "param", "params", "fsdp2", "params")
+PARAM_REGATHER = CollectiveSpec("param_regather", "params", Op.ALL_GATHER, PARAM_SHARD, Phase.BACKWARD, "param", "params", "fsdp2", "params")
 GRAD_REDUCE_SCATTER = CollectiveSpec("grad_reduce_scatter", "grads", Op.REDUCE_SCATTER, PARAM_SHARD, Phase.BACKWARD, "reduce", "params", "fsdp2")
 GRAD_SHARD_REDUCE_SCATTER = CollectiveSpec("grad_shard_reduce_scatter", "grads", Op.REDUCE_SCATTER, GRAD_SHARD, Phase.BACKWARD, "reduce", "grads", carries="grads")
 OPTIM_REDUCE_SCATTER = CollectiveSpec("optim_reduce_scatter", "optim", Op.REDUCE_SCATTER, OPTIM_SHARD, Phase.STEP, "reduce", "optim", carries="grads")
@@ -277,9 +277,19 @@ class Encoded:
     exact_bytes: int
 
     @classmethod
-    def of(cls, spec: CollectiveSpec, fmt: WireFormat, group: int, layout: ChunkLayout, exact_bytes: int) -> "Encoded":
+    def of(cls, spec: CollectiveSpec, fmt: WireFormat, group: int, layout: ChunkLayout, exact_bytes: int) -> "Encoded | None":
+        """A collective of ``spec`` over ``layout`` on ``group`` ranks in ``fmt``, or None
+        where it runs exact (:meth:`shrinking`)."""
         numel = -(-layout.chunk_numel // group) if spec.op is Op.ALL_REDUCE else layout.chunk_numel
-        return cls(spec, fmt, group, numel, exact_bytes)
+        return cls.shrinking(spec, fmt, group, numel, exact_bytes)
+
+    @classmethod
+    def shrinking(cls, spec: CollectiveSpec, fmt: WireFormat, chunks: int, chunk_numel: int, exact_bytes: int) -> "Encoded | None":
+        """The encoded collective, or None when ``fmt`` is exact or would not shrink its
+        chunks (int8 blocks padded around a few values, a small unit's norm weights):
+        such a collective runs exact, in the runtime and in this schedule alike."""
+        encoded = cls(spec, fmt, chunks, chunk_numel, exact_bytes)
+        return encoded if fmt.lossy and encoded.chunk_bytes < chunk_numel * exact_bytes else None
 
     @property
     def chunk_bytes(self) -> int:
@@ -336,6 +346,35 @@ class UnitSchedule:
     is_root: bool = False
 
 
+def unit_collectives(plan: LinsPlan, unit: UnitSchedule, *, world_size: int, microbatches: int
+                     ) -> Iterator[tuple[CollectiveSpec, ChunkLayout, int, int, int]]:
+    """Each collective one unit issues in one optimizer step, as (spec, the layout its
+    message is cut from, calls per step, group size, group stride); groups of one rank
+    issue none. The one enumeration :func:`step_collectives` (bytes) and
+    :func:`encoded_collectives` (codec work, error feedback) both count from.
+
+    FSDP2 regathers a unit resharded after forward in backward, over the P group or
+    (hpZ, ``reshard_after_forward`` an int k dividing s_p) over k ranks 1 apart, each
+    holding a k-th of the P-padded buffer (measured: FSDP2's post-forward shards); the
+    root unit is never resharded."""
+    geo = unit.geometry
+    if not any(s.numel() for s in geo.shapes):
+        return
+    hpz = plan.reshard_after_forward
+    issued: list[tuple[CollectiveSpec, int, int | None]] = [(PARAM_ALL_GATHER, microbatches, None)]
+    if not unit.is_root and hpz is not False:
+        issued.append((PARAM_REGATHER, microbatches, plan.params if hpz is True else hpz))
+    issued += [(GRAD_REDUCE_SCATTER, microbatches, None), (GRAD_SHARD_REDUCE_SCATTER, microbatches, None)]
+    issued += [(spec, 1, None) for spec in (OPTIM_REDUCE_SCATTER, OPTIM_ALL_REDUCE, UPDATE_GATHER_OPTIM, UPDATE_GATHER_GRAD)]
+    for spec, times, regather_size in issued:
+        if regather_size is None:
+            size, stride, layout = group_size(plan, world_size, spec.mesh_dim), group_stride(plan, spec.mesh_dim), geo.layout(spec.layout)
+        else:
+            size, stride, layout = regather_size, 1, ChunkLayout((geo.params.total_numel,), (1,), regather_size)
+        if size > 1 and times > 0:
+            yield spec, layout, times, size, stride
+
+
 def step_collectives(
     plan: LinsPlan,
     units: Iterable[UnitSchedule],
@@ -361,44 +400,26 @@ def step_collectives(
     units = list(units)
     counts: dict[tuple, int] = {}
 
-    def add(spec: CollectiveSpec, geometry: UnitGeometry | None, times: int, size: int | None = None, stride: int | None = None,
-            nodes: int | None = None, numel: int | None = None) -> None:
-        size = group_size(plan, world_size, spec.mesh_dim) if size is None else size
-        if size == 1 or times == 0:
-            return
-        stride = group_stride(plan, spec.mesh_dim) if stride is None else stride
-        nodes = nodes_spanned(size, stride, ranks_per_node) if nodes is None else nodes
-        fmt = spec_format(spec, formats, link_level(nodes))
-        if fmt.lossy and geometry is not None:
-            encoded = Encoded.of(spec, fmt, size, geometry.layout(spec.layout), dtype_bytes[spec.dtype])
+    def add(spec: CollectiveSpec, times: int, size: int, nodes: int, numel: int, encoded: Encoded | None = None) -> None:
+        if encoded is not None:
             for op in encoded.ops:
-                key = (spec.name, spec.state, op, size, nodes, encoded.message_bytes, fmt.name, encoded.exact_message_bytes)
+                key = (spec.name, spec.state, op, size, nodes, encoded.message_bytes, encoded.fmt.name, encoded.exact_message_bytes)
                 counts[key] = counts.get(key, 0) + times
             return
-        if numel is None:
-            numel = 1 if geometry is None else geometry.message_numel(spec)
         key = (spec.name, spec.state, spec.op, size, nodes, numel * dtype_bytes[spec.dtype], EXACT.name, None)
         counts[key] = counts.get(key, 0) + times
 
-    hpz = plan.reshard_after_forward
     for unit in units:
-        geo = unit.geometry
-        if not any(s.numel() for s in geo.shapes):
-            continue
-        add(PARAM_ALL_GATHER, geo, microbatches)
-        if not unit.is_root and hpz is not False:
-            regather_size = plan.params if hpz is True else hpz
-            add(PARAM_REGATHER, geo, microbatches, size=regather_size, stride=1)
-        add(GRAD_REDUCE_SCATTER, geo, microbatches)
-        add(GRAD_SHARD_REDUCE_SCATTER, geo, microbatches)
-        add(OPTIM_REDUCE_SCATTER, geo, 1)
-        add(OPTIM_ALL_REDUCE, geo, 1)
-        add(UPDATE_GATHER_OPTIM, geo, 1)
-        add(UPDATE_GATHER_GRAD, geo, 1)
+        for spec, layout, times, size, stride in unit_collectives(plan, unit, world_size=world_size, microbatches=microbatches):
+            nodes = nodes_spanned(size, stride, ranks_per_node)
+            encoded = Encoded.of(spec, spec_format(spec, formats, link_level(nodes)), size, layout, dtype_bytes[spec.dtype])
+            numel = layout.chunk_numel if spec.op is Op.ALL_REDUCE else layout.total_numel
+            add(spec, times, size, nodes, numel, encoded)
     every_rank = dict(size=world_size * tp, nodes=nodes_spanned(world_size, 1, ranks_per_node))
-    add(USED_PARAMS_ALL_REDUCE, None, 1, numel=sum(unit.geometry.message_numel(USED_PARAMS_ALL_REDUCE) for unit in units), **every_rank)
-    if clip_grad_norm:
-        add(GRAD_NORM_ALL_REDUCE, None, 1, **every_rank)
+    if every_rank["size"] > 1:
+        add(USED_PARAMS_ALL_REDUCE, 1, numel=sum(unit.geometry.message_numel(USED_PARAMS_ALL_REDUCE) for unit in units), **every_rank)
+        if clip_grad_norm:
+            add(GRAD_NORM_ALL_REDUCE, 1, numel=1, **every_rank)
     return [CollectiveRecord(*key[:6], count=count, format=key[6], exact_bytes=key[7]) for key, count in counts.items()]
 
 
@@ -406,9 +427,11 @@ def _dtype_bytes(param_bytes: int, reduce_bytes: int) -> dict[str, int]:
     return {"param": param_bytes, "reduce": reduce_bytes, "float32": 4, "uint8": 1}
 
 
-# Lins' collectives that may take a lossy format (``carries`` set); per step the
-# G-level reduce-scatter runs every micro-batch, the others once.
+# Lins' own collectives that may take a lossy format (``carries`` set), which its chains
+# encode and decode (:mod:`lins_dtensor.units`); FSDP2's parameter gathers may too
+# (:class:`lins_dtensor.collectives.LinsAllGather` encodes and decodes them).
 LOSSY_CAPABLE = (GRAD_SHARD_REDUCE_SCATTER, OPTIM_REDUCE_SCATTER, OPTIM_ALL_REDUCE, UPDATE_GATHER_OPTIM, UPDATE_GATHER_GRAD)
+FSDP2_GATHERS = (PARAM_ALL_GATHER, PARAM_REGATHER)
 
 
 def encoded_collectives(
@@ -419,17 +442,21 @@ def encoded_collectives(
     what the codec work and the error-feedback memory are counted from."""
     dtype_bytes = _dtype_bytes(param_bytes, reduce_bytes)
     for unit in units:
-        geo = unit.geometry
-        if not any(s.numel() for s in geo.shapes):
-            continue
-        for spec in LOSSY_CAPABLE:
-            size = group_size(plan, world_size, spec.mesh_dim)
-            if size == 1:
-                continue
-            fmt = spec_format(spec, formats, group_link_level(plan, spec.mesh_dim, world_size, ranks_per_node))
-            if fmt.lossy:
-                times = microbatches if spec.phase is Phase.BACKWARD else 1
-                yield Encoded.of(spec, fmt, size, geo.layout(spec.layout), dtype_bytes[spec.dtype]), times
+        for spec, layout, times, size, stride in unit_collectives(plan, unit, world_size=world_size, microbatches=microbatches):
+            fmt = spec_format(spec, formats, link_level(nodes_spanned(size, stride, ranks_per_node)))
+            encoded = Encoded.of(spec, fmt, size, layout, dtype_bytes[spec.dtype])
+            if encoded is not None:
+                yield encoded, times
+
+
+def carried_levels(plan: LinsPlan, *, world_size: int, ranks_per_node: int) -> set[str]:
+    """Each ``<kind>_<level>`` of :class:`~lins_dtensor.formats.CommFormats` on which
+    ``plan`` issues a collective (of a unit other than the root, of any size): the
+    formats that can change what it sends."""
+    probe = UnitSchedule(UnitGeometry.build([torch.Size((world_size,))], plan, dict.fromkeys(
+        (PARAM_SHARD, GRAD_SHARD, OPTIM_SHARD), 0)))
+    return {f"{spec.carries}_{link_level(nodes_spanned(size, stride, ranks_per_node))}"
+            for spec, _, _, size, stride in unit_collectives(plan, probe, world_size=world_size, microbatches=1) if spec.carries}
 
 
 def codec_values(plan: LinsPlan, units: Iterable[UnitSchedule], **kwargs) -> dict[str, dict[str, int]]:

@@ -165,11 +165,8 @@ class ShardContext:
         if not self.formats.lossy or self.mesh.size(spec.mesh_dim) == 1:
             return None
         fmt = spec_format(spec, self.formats, link_level(self.mesh.nodes_spanned(spec.mesh_dim)))
-        if not fmt.lossy:
-            return None
-        size = self.mesh.size(spec.mesh_dim)
         exact = self.param_dtype if spec.dtype == "param" else self.reduce_dtype
-        return Encoded.of(spec, fmt, size, layout, exact.itemsize)
+        return Encoded.of(spec, fmt, self.mesh.size(spec.mesh_dim), layout, exact.itemsize)
 
 
 # ----- P backends ------------------------------------------------------------------------
@@ -224,7 +221,7 @@ class ShardedParams:
     def attach(self, ctx: ShardContext, sink: GradientSink, geometry: UnitGeometry) -> None:
         module = self.module
         self._stream = ctx.stream
-        module.set_custom_all_gather(LinsAllGather(ctx.recorder))
+        module.set_custom_all_gather(LinsAllGather(ctx.recorder, ctx.formats))
         module.set_custom_reduce_scatter(LinsReduceScatter(ctx.recorder))
         # Sum in the collectives (no AVG / PREMUL_SUM, which gloo lacks); Lins divides
         # once at the step, after the gradient has been summed over the data-parallel ranks.

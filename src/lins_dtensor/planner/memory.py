@@ -20,6 +20,7 @@ from lins_dtensor.plan import LinsPlan
 from lins_dtensor.planner.models import ModelSpec, PlannerError, block_matmuls, shapes_numel, tensor_parallel_local
 from lins_dtensor.planner.training import TrainingSpec
 from lins_dtensor.schedule import (
+    FSDP2_GATHERS,
     Encoded,
     UnitGeometry,
     UnitSchedule,
@@ -128,6 +129,12 @@ def memory_breakdown(
         where = dict(world_size=world_size, ranks_per_node=ranks_per_node, microbatches=1, param_bytes=pb, reduce_bytes=rb, formats=formats)
         feedback = error_feedback_bytes(plan, units, **where)
         encoded = [[e for e, _ in encoded_collectives(plan, [u], **where)] for u in units]
+    # FSDP2's gathers in a lossy format (collectives.LinsAllGather) hold, per gather in
+    # flight (the unit computed and the prefetched one), the encoded shard and the encoded
+    # gathered buffer, and one decoded fp32 copy while it is written into FSDP2's output.
+    fsdp2_encoded = [max((e.chunk_bytes + e.message_bytes for e in unit if e.spec in FSDP2_GATHERS), default=0) for unit in encoded]
+    fsdp2_decoded = max((e.chunks * e.chunk_numel * 4 for unit in encoded for e in unit if e.spec in FSDP2_GATHERS), default=0)
+    encoded = [[e for e in unit if e.spec not in FSDP2_GATHERS] for unit in encoded]
     states = state_memory_bytes(units, param_bytes=pb, reduce_bytes=rb, master_bytes=training.master_bytes, optim_states=training.optim_states)
     biggest = max((u.geometry.params.total_numel for u in units), default=0)
     if plan.params > 1:
@@ -141,6 +148,8 @@ def memory_breakdown(
     else:
         # With P replicated, one unit's gradients from autograd until they are in G.
         buffers = biggest * pb
+    if fsdp2_decoded:
+        buffers += 2 * max(fsdp2_encoded) + fsdp2_decoded
     hpz = plan.reshard_after_forward
     if plan.params > 1 and hpz is False:
         buffers += sum(u.geometry.params.total_numel for u in units) * pb

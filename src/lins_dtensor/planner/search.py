@@ -20,7 +20,7 @@ from lins_dtensor.planner.hardware import ClusterSpec
 from lins_dtensor.planner.memory import GiB, figure
 from lins_dtensor.planner.models import ModelSpec, PlannerError, model_from_module, model_from_text
 from lins_dtensor.planner.training import TrainingSpec
-from lins_dtensor.schedule import LOSSY_CAPABLE, group_link_level, group_size
+from lins_dtensor.schedule import carried_levels
 
 # (display name, preset text; {k} is the node size)
 BASELINES = (
@@ -118,17 +118,14 @@ def allowed_choices(allowed_formats: str | dict | None) -> list[CommFormats]:
 
 
 def effective_formats(formats: CommFormats, plan: LinsPlan, cluster: ClusterSpec, training: TrainingSpec) -> CommFormats | None:
-    """``formats`` with each kind and link level where ``plan`` issues no Lins collective
+    """``formats`` with each kind and link level where ``plan`` issues no collective
     set back to exact (the same records and cost as that choice), or None when the
     runtime would refuse them (``CommFormats.check``: bf16 gathers of bf16 parameters)."""
     try:
         formats.check(param_dtype=_DTYPES[training.param_bytes], reduce_dtype=_DTYPES[training.reduce_bytes])
     except LinsConfigError:
         return None
-    used = set()
-    for spec in LOSSY_CAPABLE:
-        if group_size(plan, cluster.dp_ranks, spec.mesh_dim) > 1:
-            used.add(f"{spec.carries}_{group_link_level(plan, spec.mesh_dim, cluster.dp_ranks, cluster.dp_per_node)}")
+    used = carried_levels(plan, world_size=cluster.dp_ranks, ranks_per_node=cluster.dp_per_node)
     return dataclasses.replace(formats, **{key: "exact" for key in _FORMAT_KEYS if key not in used})
 
 
