@@ -446,8 +446,9 @@ class LinsAllGather(AllGather):
         spec = PARAM_REGATHER if in_backward() else PARAM_ALL_GATHER
         size, nodes = self.recorder.describe(group)
         fmt = self.formats.of("params", link_level(nodes))
-        encoded = Encoded.shrinking(spec, fmt, size, input_tensor.numel(), input_tensor.element_size())
-        if encoded is None or not input_tensor.is_floating_point():
+        encoded = (Encoded.shrinking(spec, fmt, size, input_tensor.numel(), input_tensor.element_size())
+                   if input_tensor.is_floating_point() else None)
+        if encoded is None:
             call = lambda: all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)  # noqa: E731
             return _fsdp_call(self.recorder, spec, group, output_tensor, call, async_op)
         device = input_tensor.device

@@ -244,12 +244,6 @@ def link_level(nodes: int) -> str:
     return "inter" if nodes > 1 else "intra"
 
 
-def group_link_level(plan: LinsPlan, mesh_dim: str, world_size: int, ranks_per_node: int) -> str:
-    """The link level of the plan's group along ``mesh_dim`` (:func:`link_level`)."""
-    size = group_size(plan, world_size, mesh_dim)
-    return link_level(nodes_spanned(size, group_stride(plan, mesh_dim), ranks_per_node))
-
-
 def spec_format(spec: CollectiveSpec, formats: CommFormats, level: str) -> WireFormat:
     """The wire format a collective of ``spec`` takes on a group at ``level``."""
     return EXACT if spec.carries is None else formats.of(spec.carries, level)
