@@ -125,6 +125,38 @@ def test_the_band_needs_two_seeds_of_one_plan():
         analyse([_run("fp32-seed0", "exact", 0, [3.0, 2.0]), _run("grads-int8", "grads=int8", 0, [3.0, 2.0])])
 
 
+def test_a_compressed_run_of_a_plan_with_its_own_exact_seeds_is_judged_against_their_band(tmp_path):
+    """Where P is sharded torchtitan initialises other weights for the same seed: a plan
+    with exact seeds of its own (here 1.0 above the main band, as parallel lines) judges
+    its compressed runs against its own band, tolerance and target; its exact seeds and
+    a compressed run of a plan without seeds are compared with the main band. A tie in
+    exact seeds makes the earliest plan's the main band."""
+    steps = 40
+    base = [8.0 - 0.125 * i for i in range(steps)]
+    main = [_run(f"fp32-seed{s}", "exact", s, [x + d for x in base]) for s, d in enumerate((0.0, 0.0625, -0.0625))]
+    sharded = [dict(_run(f"fp32-p2-seed{s}", "exact", s, [x + 1.0 + d for x in base], plan="p=2,g=2,os=4"),
+                    started_utc="2026-12-02 21:00:00") for s, d in enumerate((0.0, 0.125, -0.125))]
+    lossy = _run("int8-p2", "grads=int8", 0, [x + 1.0 - 0.0625 for x in base], plan="p=2,g=2,os=4")
+    stray = _run("int8-p4", "grads=int8", 0, [x + 1.0 for x in base], plan="p=4,g=4,os=4")
+    a = analyse(main + sharded + [lossy, stray])
+    rows = {r.name: r for r in a["rows"]}
+    assert a["plan"] == "p=1,g=2,os=4" and list(a["plan_bands"]) == ["p=2,g=2,os=4"]
+    assert a["plan_bands"]["p=2,g=2,os=4"]["tolerance"] == pytest.approx(0.125)
+    assert rows["int8-p2"].band_plan == "p=2,g=2,os=4" and rows["int8-p2"].smooth_gap == 0.0
+    assert rows["int8-p2"].tolerance == pytest.approx(0.125) and rows["int8-p2"].vs_seed == pytest.approx(0.0625)
+    assert rows["int8-p2"].ttl == steps  # its plan's target: its seeds' mean at the end, 1.0 above the main one
+    assert rows["fp32-p2-seed0"].band_plan == "p=1,g=2,os=4" and rows["fp32-p2-seed0"].smooth_gap == pytest.approx(0.9375)
+    assert rows["int8-p4"].band_plan == "p=1,g=2,os=4" and rows["int8-p4"].smooth_gap == pytest.approx(0.9375)
+    results = tmp_path / "results"
+    results.mkdir()
+    for r in main + sharded + [lossy, stray]:
+        (results / f"{r['name']}.json").write_text(json.dumps(r))
+    report(results, tmp_path / "convergence.md", cluster=tmp_path / "no-cluster.json")
+    text = (tmp_path / "convergence.md").read_text()
+    assert "| int8-p2 | `p=2,g=2,os=4` | `grads=int8` | 0 | `p=2,g=2,os=4` |" in text
+    assert "Band of plan `p=2,g=2,os=4` (fp32-p2-seed0, fp32-p2-seed1, fp32-p2-seed2)" in text
+
+
 def _bench_row(strategy, m, formats, median, plan="p=1,g=4,os=8"):
     return {"strategy": strategy, "microbatches": m, "plan": plan, "formats": formats, "chosen_for": ["unlimited"],
             "step_time_s": {"median": median}}

@@ -248,6 +248,8 @@ class Row:
     median_step_s: float | None
     wall_s: float
     commit: str
+    band_plan: str  # the plan of the exact seeds whose band this run is judged against
+    tolerance: float  # that band's
 
 
 def _median(xs: list[float]) -> float | None:
@@ -256,34 +258,55 @@ def _median(xs: list[float]) -> float | None:
 
 
 def band_runs(runs: list[dict]) -> list[dict]:
-    """The exact runs of the plan with the most exact runs: the seeds that make the
-    band. An exact run of another plan (e.g. ddp next to p=1,g=2,os=4) is the same
-    training summed in another order, so it is compared with the band, not part of it."""
-    exact = [r for r in runs if r["formats"] == "exact"]
-    ranked = Counter(r["plan"] for r in exact).most_common(2)
-    if not ranked or ranked[0][1] < 2 or (len(ranked) > 1 and ranked[1][1] == ranked[0][1]):
-        raise ValueError(f"report: the band needs at least 2 exact seeds of one plan, most of them (exact runs: "
+    """The exact runs of the plan with the most exact runs (on a tie, the plan of the
+    earliest): the seeds that make the main band. An exact run of another plan (e.g. ddp
+    next to p=1,g=2,os=4) is the same training summed in another order, so it is compared
+    with the band, not part of it."""
+    exact = sorted((r for r in runs if r["formats"] == "exact"), key=lambda r: r["started_utc"])
+    counts = Counter(r["plan"] for r in exact)
+    if not counts or max(counts.values()) < 2:
+        raise ValueError(f"report: the band needs at least 2 exact seeds of one plan (exact runs: "
                          f"{[(r['name'], r['plan']) for r in exact]})")
-    return [r for r in exact if r["plan"] == ranked[0][0]]
+    plan = next(r["plan"] for r in exact if counts[r["plan"]] == max(counts.values()))
+    return [r for r in exact if r["plan"] == plan]
 
 
-def analyse(runs: list[dict]) -> dict:
-    """Band, tolerance, target and one Row per run (the band's seeds first) from run
-    dicts of one length."""
-    seeds = band_runs(runs)
+def _band_of(seeds: list[dict]) -> dict:
+    """The smoothed and raw band of exact ``seeds``, their tolerance and their target."""
     raw = [r["losses"] for r in seeds]
     sm = [smooth(c) for c in raw]
     raw_lo, raw_hi = band(raw)
     lo, hi = band(sm)
-    target = sum(c[-1] for c in sm) / len(sm)
-    by_seed = {r["seed"]: c for r, c in zip(seeds, sm)}
+    return {"plan": seeds[0]["plan"], "seeds": [r["name"] for r in seeds], "lo": lo, "hi": hi, "raw_lo": raw_lo,
+            "raw_hi": raw_hi, "target": sum(c[-1] for c in sm) / len(sm), "mean": [sum(xs) / len(xs) for xs in zip(*sm)],
+            "tolerance": leave_one_out_gap(sm), "raw_tolerance": leave_one_out_gap(raw),
+            "width": _median([b - a for a, b in zip(lo, hi)])}
+
+
+def analyse(runs: list[dict]) -> dict:
+    """The main band (its tolerance, target) and one Row per run (the band's seeds
+    first) from run dicts of one length. A plan with 2 exact seeds or more besides the
+    main band's has its own band ("plan_bands"): its compressed runs are judged against
+    it (where P is sharded torchtitan initialises the sharded weights, from other values
+    than the unsharded plans' for the same seed); exact runs of other plans are judged
+    against the main band."""
+    seeds = band_runs(runs)
+    main = _band_of(seeds)
+    exact_by_plan: dict[str, list[dict]] = {}
+    for r in runs:
+        if r["formats"] == "exact":
+            exact_by_plan.setdefault(r["plan"], []).append(r)
+    plan_bands = {plan: _band_of(rs) for plan, rs in exact_by_plan.items() if plan != main["plan"] and len(rs) >= 2}
+    by_seed = {r["seed"]: smooth(r["losses"]) for r in seeds}
     exact = {(r["plan"], r["seed"]): smooth(r["losses"]) for r in runs if r["formats"] == "exact"}
     rows, twins = [], {}
     for r in sorted(runs, key=lambda r: (r not in seeds, r["plan"], r["formats"] != "exact", r["formats"], r["seed"])):
+        own = plan_bands.get(r["plan"]) if r["formats"] != "exact" else None
+        b = own or main
         losses = r["losses"]
         s = smooth(losses)
-        rg, rs = gap(losses, raw_lo, raw_hi)
-        sg, ss = gap(s, lo, hi)
+        rg, rs = gap(losses, b["raw_lo"], b["raw_hi"])
+        sg, ss = gap(s, b["lo"], b["hi"])
         twin = by_seed.get(r["seed"])
         if r["formats"] != "exact":
             twin = exact.get((r["plan"], r["seed"]), twin)
@@ -291,11 +314,10 @@ def analyse(runs: list[dict]) -> dict:
         if twin is not None and r not in seeds:
             twins[r["name"]] = twin
         rows.append(Row(r["name"], r["plan"], r["formats"], r["seed"], r in seeds, losses[-1],
-                        sum(losses[-LAST:]) / LAST, rg, rs, sg, ss, time_to_loss(s, target), vs_seed,
-                        _median([t for t in r["step_times_s"] if t is not None]), r["wall_s"], r["commit"]))
-    return {"plan": seeds[0]["plan"], "lo": lo, "hi": hi, "raw_lo": raw_lo, "raw_hi": raw_hi, "target": target,
-            "mean": [sum(xs) / len(xs) for xs in zip(*sm)], "tolerance": leave_one_out_gap(sm),
-            "raw_tolerance": leave_one_out_gap(raw), "rows": rows, "twins": twins, "width": _median([b - a for a, b in zip(lo, hi)])}
+                        sum(losses[-LAST:]) / LAST, rg, rs, sg, ss, time_to_loss(s, b["target"]), vs_seed,
+                        _median([t for t in r["step_times_s"] if t is not None]), r["wall_s"], r["commit"],
+                        b["plan"], b["tolerance"]))
+    return {**main, "rows": rows, "twins": twins, "plan_bands": plan_bands}
 
 
 def _fmt(x: float, digits: int = 4) -> str:
@@ -341,6 +363,11 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
         "the highest or lowest seed: a run is **inside** when its smoothed gap is at most this tolerance, "
         "i.e. it leaves the band by no more than exact training from another seed does. Formats that are "
         "not inside are not offered by the planner.",
+        "- **Band of its plan**: a compressed run of a plan with 2 exact seeds or more of its own is judged "
+        "against that plan's band, its tolerance and its target (column 'band'): where P is sharded, "
+        "torchtitan initialises the sharded weights, and for the same seed they are not the unsharded plans' "
+        "(exact training from them is another curve; tests/test_torchtitan.py checks Lins against torchtitan's "
+        "own HSDP from that initialisation). Exact runs of other plans are compared with the main band.",
         f"- **Final loss**: the last step's loss, and the mean of the last {LAST} steps.",
         f"- **Time to loss**: the first step at which the run's smoothed loss reaches {a['target']:.4f}, the "
         f"exact seeds' mean smoothed loss at step {first['steps']} (multiply by a benchmark's step time for "
@@ -365,19 +392,23 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
     for r in seeds:
         lines.append(f"| {r.name} | {r.seed} | {r.final:.4f} | {r.final_mean:.4f} | {r.ttl or 'not reached'} | "
                      f"{r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
+    for plan, b in a["plan_bands"].items():
+        lines += ["", f"Band of plan `{plan}` ({', '.join(b['seeds'])}): tolerance {_fmt(b['tolerance'])} (smoothed; raw "
+                  f"{_fmt(b['raw_tolerance'])}), target {b['target']:.4f}, median width {_fmt(b['width'])}; the main "
+                  f"band's mean smoothed loss at the last step is {a['target']:.4f}."]
     lines += ["", "## Against the band", ""]
     if not others:
         lines.append("No compressed run yet.")
     else:
         lines += [
-            f"| run | plan | formats | seed | final loss | mean last {LAST} | gap, smoothed (step) | "
+            f"| run | plan | formats | seed | band | final loss | mean last {LAST} | gap, smoothed (step) | "
             "gap, raw (step) | from its seed | time to loss (step) | inside | median step (s) | wall (s) | commit |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in others:
-            inside = "yes" if r.smooth_gap <= a["tolerance"] else "**no**"
+            inside = "yes" if r.smooth_gap <= r.tolerance else "**no**"
             lines.append(
-                f"| {r.name} | `{r.plan}` | `{r.formats}` | {r.seed} | {_fmt(r.final)} | {_fmt(r.final_mean)} | "
+                f"| {r.name} | `{r.plan}` | `{r.formats}` | {r.seed} | `{r.band_plan}` | {_fmt(r.final)} | {_fmt(r.final_mean)} | "
                 f"{_fmt(r.smooth_gap, 5)} ({r.smooth_gap_step or '-'}) | {_fmt(r.raw_gap, 5)} ({r.raw_gap_step or '-'}) | "
                 f"{'-' if r.vs_seed is None else _fmt(r.vs_seed, 5)} | {r.ttl or 'not reached'} | {inside} | {r.median_step_s:.2f} | {r.wall_s:.0f} | {r.commit} |")
     lines += ["", f"![loss curves and band]({plot})", "",
