@@ -138,7 +138,8 @@ def test_a_compressed_run_of_a_plan_with_its_own_exact_seeds_is_judged_against_t
                     started_utc="2026-12-02 21:00:00") for s, d in enumerate((0.0, 0.125, -0.125))]
     lossy = _run("int8-p2", "grads=int8", 0, [x + 1.0 - 0.0625 for x in base], plan="p=2,g=2,os=4")
     stray = _run("int8-p4", "grads=int8", 0, [x + 1.0 for x in base], plan="p=4,g=4,os=4")
-    a = analyse(main + sharded + [lossy, stray])
+    repeat = _run("fp32-p4-seed0-again", "exact", 0, [x + 1.0 for x in base], plan="p=4,g=4,os=4")  # one seed twice: no band
+    a = analyse(main + sharded + [lossy, stray, repeat, dict(repeat, name="fp32-p4-seed0")])
     rows = {r.name: r for r in a["rows"]}
     assert a["plan"] == "p=1,g=2,os=4" and list(a["plan_bands"]) == ["p=2,g=2,os=4"]
     assert a["plan_bands"]["p=2,g=2,os=4"]["tolerance"] == pytest.approx(0.125)

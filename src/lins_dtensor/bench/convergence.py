@@ -285,8 +285,8 @@ def _band_of(seeds: list[dict]) -> dict:
 
 def analyse(runs: list[dict]) -> dict:
     """The main band (its tolerance, target) and one Row per run (the band's seeds
-    first) from run dicts of one length. A plan with 2 exact seeds or more besides the
-    main band's has its own band ("plan_bands"): its compressed runs are judged against
+    first) from run dicts of one length. A plan with exact runs of 2 seeds or more besides
+    the main band's has its own band ("plan_bands"): its compressed runs are judged against
     it (where P is sharded torchtitan initialises the sharded weights, from other values
     than the unsharded plans' for the same seed); exact runs of other plans are judged
     against the main band."""
@@ -296,7 +296,8 @@ def analyse(runs: list[dict]) -> dict:
     for r in runs:
         if r["formats"] == "exact":
             exact_by_plan.setdefault(r["plan"], []).append(r)
-    plan_bands = {plan: _band_of(rs) for plan, rs in exact_by_plan.items() if plan != main["plan"] and len(rs) >= 2}
+    plan_bands = {plan: _band_of(rs) for plan, rs in exact_by_plan.items()
+                  if plan != main["plan"] and len({r["seed"] for r in rs}) >= 2}
     by_seed = {r["seed"]: smooth(r["losses"]) for r in seeds}
     exact = {(r["plan"], r["seed"]): smooth(r["losses"]) for r in runs if r["formats"] == "exact"}
     rows, twins = [], {}
