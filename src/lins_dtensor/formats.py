@@ -4,9 +4,9 @@ kernels that encode and decode it.
 Lins' own collectives move either gradients (the G-level reduce-scatter, the step's
 reduce-scatter and all-reduce to the OS layout) or parameter values (the update gathers
 of the masters back into P, and where P is sharded FSDP2's gathers of P for each forward
-and backward, which Lins issues for FSDP2). Each of the two kinds may go on the wire in a lossy format
-per link level ("inter": the group spans nodes, "intra": it does not), chosen by the user
-or by the planner (:class:`CommFormats`):
+and backward, which Lins issues for FSDP2). Each of the two kinds may go on the wire in
+a lossy format per link level ("inter": the group spans nodes, "intra": it does not),
+chosen by the user or by the planner (:class:`CommFormats`):
 
 * ``exact``: today's collectives, in the reduce dtype (gradients) or the parameter dtype
   (gathers); bitwise what Lins did before formats existed.
@@ -130,11 +130,11 @@ class CommFormats:
 
     Written as text: ``"exact"``, or a comma list of ``kind[:level]=format``, where
     kind is ``grads`` (every gradient reduction Lins issues) or ``params`` (the update
-    gathers of the masters into P, and FSDP2's gathers of P), level ``inter`` (the default: groups that span
-    nodes) or ``intra``, format one of :data:`FORMATS`; e.g. ``"grads=int8,params=bf16"``
-    or ``"grads=bf16,grads:intra=bf16"``. Unnamed entries stay exact. ``params`` also
-    sets FSDP2's per-micro-batch gathers of P on their group's level (where P is
-    sharded); FSDP2's P-group reduce-scatters are always exact.
+    gathers of the masters into P, and where P is sharded FSDP2's per-micro-batch gathers
+    of P), level ``inter`` (the default: groups that span nodes) or ``intra``, format one
+    of :data:`FORMATS`; e.g. ``"grads=int8,params=bf16"`` or
+    ``"grads=bf16,grads:intra=bf16"``. Unnamed entries stay exact; FSDP2's P-group
+    reduce-scatters are always exact.
     """
 
     grads_inter: str = "exact"
