@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 import re
+import statistics
 import time
 from collections.abc import Callable
 
@@ -179,9 +180,10 @@ class AttentionTiming:
 
 
 def _seconds(call: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
-    """Mean seconds of ``call`` after ``warmup`` calls: CUDA events around the queued
-    calls on a GPU (device time: the host queues kernels this large faster than they
-    run), the host clock on CPU."""
+    """Seconds of ``call`` after ``warmup`` calls: on a GPU the mean, from CUDA events
+    around the queued calls (device time: the host queues kernels this large faster than
+    they run); on CPU the median of each call's host time (a call the scheduler preempted
+    does not move it)."""
     for _ in range(warmup):
         call()
     if device.type == "cuda":
@@ -192,10 +194,12 @@ def _seconds(call: Callable[[], object], device: torch.device, iters: int, warmu
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / iters
-    start_s = time.perf_counter()
+    times = []
     for _ in range(iters):
+        start_s = time.perf_counter()
         call()
-    return (time.perf_counter() - start_s) / iters
+        times.append(time.perf_counter() - start_s)
+    return statistics.median(times)
 
 
 def measure_kernels(shapes: KernelShapes, device: torch.device, dtype: torch.dtype, iters: int) -> tuple[list[GemmTiming], list[AttentionTiming]]:
@@ -287,9 +291,11 @@ def fit_compute_curve(base: HardwareSpec, gemms: list[GemmTiming], attentions: l
     backward_ratio = math.exp(sum(math.log(t.backward_s / t.forward_s) for t in attentions) / len(attentions))
     peak = base.peak_flops * max(1.0, gemm_ceiling, attention_ceiling)
     shares = base.peak_flops / peak
+    # The fastest ceiling's share is 1 up to rounding (x * (p / (p * x)) can be 1 + 2e-16,
+    # which a hardware file may not hold): capped.
     return dataclasses.replace(
-        base, name=f"{base.name} (profiled)", peak_flops=peak, gemm_efficiency=gemm_ceiling * shares,
-        attention_efficiency=attention_ceiling * shares, attention_half_seq=half_seq, attention_backward_ratio=backward_ratio,
+        base, name=f"{base.name} (profiled)", peak_flops=peak, gemm_efficiency=min(1.0, gemm_ceiling * shares),
+        attention_efficiency=min(1.0, attention_ceiling * shares), attention_half_seq=half_seq, attention_backward_ratio=backward_ratio,
     )
 
 
