@@ -120,8 +120,9 @@ def lossy_runs():
 def test_lossy_formats_send_what_the_schedule_says_and_every_rank_computes_with_the_same_parameters(lossy_runs):
     """Every valid world-4 plan with every collective that may be lossy lossy: the recorded
     collectives (all-to-alls, gathers of encoded sums, encoded update gathers, FSDP2's
-    encoded gathers of P, with their formats and the bytes they stand for) equal schedule.step_collectives on every rank; where P is
-    replicated every rank holds bitwise the same P; with bf16 gathers P is the masters
+    encoded gathers of P, with their formats and the bytes they stand for) equal
+    schedule.step_collectives on every rank; where P is replicated every rank holds
+    bitwise the same P; with bf16 gathers P is the masters
     rounded to bf16, exactly (every rank, the owner of a chunk included, decodes it); the
     memory per state, error-feedback residuals included, is the schedule's."""
     assert len(lossy_runs) == len(_runs())
@@ -156,8 +157,7 @@ def test_fsdp2_gathers_of_p_give_every_rank_the_same_decoded_parameters(plan, fo
     every rank computes with bitwise the same values, the decoded shards (a shard's owner
     too), while P itself (each rank's shard) stays as the update left it. bf16: exactly P
     rounded to bf16; int8: within half a quantum of P's largest value, and not P (a
-    matrix). A frozen
-    parameter (replicated, never gathered) is exact."""
+    matrix). A frozen parameter (replicated, never gathered) is exact."""
     from distributed import run
     from format_scenarios import computed_parameters
 
