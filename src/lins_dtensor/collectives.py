@@ -444,14 +444,11 @@ class LinsAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         spec = PARAM_REGATHER if in_backward() else PARAM_ALL_GATHER
-        size, nodes = self.recorder.describe(group)
-        fmt = self.formats.of("params", link_level(nodes))
-        encoded = (Encoded.shrinking(spec, fmt, size, input_tensor.numel(), input_tensor.element_size())
-                   if input_tensor.is_floating_point() else None)
+        encoded = self._encoded(spec, group, input_tensor) if self.formats.lossy else None
         if encoded is None:
             call = lambda: all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)  # noqa: E731
             return _fsdp_call(self.recorder, spec, group, output_tensor, call, async_op)
-        device = input_tensor.device
+        fmt, size, device = encoded.fmt, encoded.chunks, input_tensor.device
         sent = fmt.encode(input_tensor, 1, torch.empty(encoded.chunk_bytes, dtype=torch.uint8, device=device))
         gathered = torch.empty(encoded.message_bytes, dtype=torch.uint8, device=device)
 
@@ -464,6 +461,14 @@ class LinsAllGather(AllGather):
             return _DecodedOnWait(work, decode)
         decode()
         return work
+
+    def _encoded(self, spec: CollectiveSpec, group, input_tensor: torch.Tensor) -> Encoded | None:
+        """How this gather runs in the params format of its group's level (None: exact)."""
+        if not input_tensor.is_floating_point():
+            return None
+        size, nodes = self.recorder.describe(group)
+        fmt = self.formats.of("params", link_level(nodes))
+        return Encoded.shrinking(spec, fmt, size, input_tensor.numel(), input_tensor.element_size())
 
 
 class _DecodedOnWait(dist.Work):

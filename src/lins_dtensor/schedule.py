@@ -215,8 +215,13 @@ class UnitGeometry:
             return 1
         if spec.layout == "flags":
             return len(self.shapes)
-        layout = self.layout(spec.layout)
-        return layout.chunk_numel if spec.op is Op.ALL_REDUCE else layout.total_numel
+        return layout_message_numel(spec, self.layout(spec.layout))
+
+
+def layout_message_numel(spec: CollectiveSpec, layout: ChunkLayout) -> int:
+    """Elements of one message of ``spec`` cut from ``layout``: one chunk row for the
+    all-reduce, the whole buffer otherwise (reduce-scatter input, all-gather output)."""
+    return layout.chunk_numel if spec.op is Op.ALL_REDUCE else layout.total_numel
 
 
 # ----- the group of every spec, from the plan alone ---------------------------------
@@ -407,8 +412,7 @@ def step_collectives(
         for spec, layout, times, size, stride in unit_collectives(plan, unit, world_size=world_size, microbatches=microbatches):
             nodes = nodes_spanned(size, stride, ranks_per_node)
             encoded = Encoded.of(spec, spec_format(spec, formats, link_level(nodes)), size, layout, dtype_bytes[spec.dtype])
-            numel = layout.chunk_numel if spec.op is Op.ALL_REDUCE else layout.total_numel
-            add(spec, times, size, nodes, numel, encoded)
+            add(spec, times, size, nodes, layout_message_numel(spec, layout), encoded)
     every_rank = dict(size=world_size * tp, nodes=nodes_spanned(world_size, 1, ranks_per_node))
     if every_rank["size"] > 1:
         add(USED_PARAMS_ALL_REDUCE, 1, numel=sum(unit.geometry.message_numel(USED_PARAMS_ALL_REDUCE) for unit in units), **every_rank)
