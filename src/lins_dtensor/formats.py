@@ -158,7 +158,12 @@ class CommFormats:
 
     @property
     def lossy(self) -> bool:
-        return any(FORMATS[v].lossy for v in dataclasses.astuple(self))
+        return self.lossy_settings > 0
+
+    @property
+    def lossy_settings(self) -> int:
+        """How many (kind, link level) pairs round their values on the wire."""
+        return sum(FORMATS[v].lossy for v in dataclasses.astuple(self))
 
     def __str__(self) -> str:
         parts = []

@@ -166,13 +166,34 @@ def explain_winner(win: PlanCost, baselines: list[Baseline]) -> str:
 
 def pick_winner(ranked: list[PlanCost], tie_tolerance: float) -> PlanCost:
     """The fastest plan, except that among plans predicted within ``tie_tolerance`` of it
-    the one sending the fewest inter-node bytes wins, then the fewest intra-node bytes:
-    the model is least sure about communication (how much of it hides, how links are
-    shared), most of all on the slow shared network, so a near-tie is settled in favour
-    of communicating less. Memory, then time, settle what is left."""
+    the one sending the fewest inter-node bytes wins, then the one with the fewest lossy
+    wire formats, then the fewest intra-node bytes: the model is least sure about
+    communication (how much of it hides, how links are shared), most of all on the slow
+    shared network, so a near-tie is settled in favour of communicating less across the
+    nodes; a lossy format that neither saves inter-node bytes nor predicts a shorter step
+    buys nothing for its rounding (an encoded gather inside the node moves fewer bytes,
+    but where intra-node traffic cannot hide it is timed at its exact bytes and its
+    codec besides). Memory, then time, settle what is left."""
     limit = ranked[0].step_s * (1 + tie_tolerance)
     near = [c for c in ranked if c.step_s <= limit]
-    return min(near, key=lambda c: (round(c.link_bytes("inter") / 1e6), round(c.link_bytes("intra") / 1e6), c.memory.peak, c.step_s))
+    return min(near, key=lambda c: _tie_key(c) + (c.memory.peak, c.step_s))
+
+
+def _tie_key(cost: PlanCost) -> tuple[int, int, int]:
+    """What settles a near-tie, in order: inter-node MB, lossy settings, intra-node MB."""
+    return round(cost.link_bytes("inter") / 1e6), cost.formats.lossy_settings, round(cost.link_bytes("intra") / 1e6)
+
+
+def explain_tie(win: PlanCost, fastest: PlanCost) -> str:
+    """Why ``win`` and not the faster ``fastest``, within the tie tolerance."""
+    inter, lossy, intra = (w < f for w, f in zip(_tie_key(win), _tie_key(fastest)))
+    because = (
+        f"sends {figure(fastest.link_bytes('inter') / 1e9)} GB per rank across nodes vs {figure(win.link_bytes('inter') / 1e9)}" if inter
+        else f"has lossy formats {fastest.formats} where {win.plan} has {win.formats}" if lossy
+        else f"moves {figure(fastest.link_bytes('intra') / 1e9)} GB per rank inside nodes vs {figure(win.link_bytes('intra') / 1e9)}" if intra
+        else f"needs {figure(fastest.memory.peak / GiB)} GiB per rank vs {figure(win.memory.peak / GiB)}"
+    )
+    return f"; the fastest prediction, {fastest.plan}, is only {win.step_s / fastest.step_s - 1:.1%} faster but {because}"
 
 
 def explain_formats(win: PlanCost, exact: PlanCost) -> str:
@@ -224,10 +245,7 @@ def search(model, cluster: ClusterSpec, training: TrainingSpec | None = None, *,
     win = pick_winner(pool, tie_tolerance)
     reason = explain_winner(win, baselines)
     if win is not pool[0]:
-        reason += (
-            f"; the fastest prediction, {pool[0].plan}, is only {win.step_s / pool[0].step_s - 1:.1%} faster "
-            f"but sends {figure(pool[0].link_bytes('inter') / 1e9)} GB per rank across nodes vs {figure(win.link_bytes('inter') / 1e9)}"
-        )
+        reason += explain_tie(win, pool[0])
     if win.formats.lossy and exact is not None:
         reason += "; " + explain_formats(win, exact)
     return Explanation(spec, cluster, training, win, ranked, dropped, baselines, reason, sorted(timer.fallbacks),
