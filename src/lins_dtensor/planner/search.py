@@ -185,14 +185,17 @@ def _tie_key(cost: PlanCost) -> tuple[int, int, int]:
 
 
 def explain_tie(win: PlanCost, fastest: PlanCost) -> str:
-    """Why ``win`` and not the faster ``fastest``, within the tie tolerance."""
+    """Why ``win`` and not the faster ``fastest``, within the tie tolerance: the first
+    field of :func:`_tie_key` where ``win`` is ahead, else memory."""
     inter, lossy, intra = (w < f for w, f in zip(_tie_key(win), _tie_key(fastest)))
-    because = (
-        f"sends {figure(fastest.link_bytes('inter') / 1e9)} GB per rank across nodes vs {figure(win.link_bytes('inter') / 1e9)}" if inter
-        else f"has lossy formats {fastest.formats} where {win.plan} has {win.formats}" if lossy
-        else f"moves {figure(fastest.link_bytes('intra') / 1e9)} GB per rank inside nodes vs {figure(win.link_bytes('intra') / 1e9)}" if intra
-        else f"needs {figure(fastest.memory.peak / GiB)} GiB per rank vs {figure(win.memory.peak / GiB)}"
-    )
+    if inter:
+        because = f"sends {figure(fastest.link_bytes('inter') / 1e9)} GB per rank across nodes vs {figure(win.link_bytes('inter') / 1e9)}"
+    elif lossy:
+        because = f"has lossy formats {fastest.formats} where {win.plan} has {win.formats}"
+    elif intra:
+        because = f"moves {figure(fastest.link_bytes('intra') / 1e9)} GB per rank inside nodes vs {figure(win.link_bytes('intra') / 1e9)}"
+    else:
+        because = f"needs {figure(fastest.memory.peak / GiB)} GiB per rank vs {figure(win.memory.peak / GiB)}"
     return f"; the fastest prediction, {fastest.plan}, is only {win.step_s / fastest.step_s - 1:.1%} faster but {because}"
 
 
