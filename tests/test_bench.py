@@ -48,7 +48,7 @@ def _skip_reason() -> str | None:
 
 ROW_FIELDS = {
     "strategy", "label", "plan", "microbatches", "reused_measurement", "step_time_s", "tokens_per_step",
-    "tokens_per_s", "peak_memory", "bytes_per_rank", "predicted", "fits", "prediction_error", "prediction_error_reference", "last_loss",
+    "tokens_per_s", "peak_memory", "bytes_per_rank", "predicted", "fits", "prediction_error", "prediction_error_reference", "prediction_error_in_run", "last_loss",
     "formats",
 }
 
@@ -94,6 +94,13 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert meta["lins_overlap_fraction"] == calib["lins_overlap_fraction"]
     assert {"unlimited", "0.0001 GiB"} <= {c["budget"] for c in meta["planner"]}
     assert set(calib["codec_s_per_value"]) == {"bf16", "int8"} and meta["hardware"]["codec_s_per_value"] == calib["codec_s_per_value"]
+    # The in-run calibration of M = 1: the probe's passes, their factors and the predictions on them.
+    in_run = meta["in_run_calibration"]["M=1"]
+    assert in_run["samples"] == 1 and in_run["forward_backward_s"] > 0 and in_run["all_reduce_s"] > 0
+    assert in_run["slowdown"] == pytest.approx(in_run["forward_backward_s"] / calib["forward_backward_s"])
+    assert in_run["link_slowdown"] == pytest.approx(in_run["all_reduce_s"] / calib["overlap_probe"]["all_reduce_s"])
+    assert all(r["predicted"]["step_s_in_run"] > 0 for r in result["strategies"])
+    assert "In-run calibration" in (out / "cluster.md").read_text()
     # The planner's picks with int8 allowed: measured with their formats, costed with them.
     int8_picks = {(c["plan"], c["formats"]) for c in meta["planner_compressed"] if c["strategy"] == "lins-int8" and c["plan"]}
     lossy = [r for r in result["strategies"] if r["strategy"] == "lins-int8"]
@@ -488,6 +495,35 @@ def test_ddp_bf16_hook_is_costed_as_its_own_bf16_all_reduce_and_casts():
     assert hook["comm_s"] == pytest.approx(own.comm_s)
     as_lins = planning.predict(1, equivalent_plan("lins-plan", 4, "ddp", "grads=bf16,grads:intra=bf16"))
     assert as_lins["step_s"] != pytest.approx(hook["step_s"])  # Lins' bf16: all-to-all + all-gather
+
+
+def test_the_in_run_calibration_scales_the_cores_and_leaves_the_links():
+    """The in-run predictions (every rate measured on the cores ``slowdown`` times
+    slower): at 1 they are the start-up's; at 2 every compute term doubles (FLOPs,
+    optimizer, copies, host time per unit, the lossy codec) and the collectives' times
+    do not change."""
+    import argparse
+
+    from lins_dtensor.bench.measure import Ranks
+    from lins_dtensor.bench.model import MODEL_SIZES, build_model
+    from lins_dtensor.bench.planning import Overlap, Planning
+    from lins_dtensor.bench.strategies import equivalent_plan
+    from lins_dtensor.planner import hardware_preset
+    from lins_dtensor.planner.models import model_from_module
+
+    spec = model_from_module(build_model("tiny"), name="tiny", ffn_dim=MODEL_SIZES["tiny"].ffn_dim)
+    hw = dataclasses.replace(hardware_preset("cpu-emulated"), ranks_per_node=4, codec_s_per_value={"bf16": 1e-8, "int8": 2e-8},
+                             unit_overhead_s=1e-3, replicated_unit_overhead_s=5e-4, copy_bw=5e9)
+    args = argparse.Namespace(seq_len=16, batch_size=1, microbatches=[2])
+    planning = Planning(spec, hw, None, Ranks(0, 8, 4), args, Overlap(0.0, 0.0), Overlap(0.8, 0.8))
+    for eq in (equivalent_plan("lins-plan", 4, "p=2,g=4,os=8", "grads=int8,params=bf16"), equivalent_plan("ddp-bf16-hook", 4),
+               equivalent_plan("fsdp2", 4)):
+        start, same, slower = (p.predict(2, eq) for p in (planning, planning.in_run(1.0), planning.in_run(2.0)))
+        assert same["step_s"] == pytest.approx(start["step_s"], rel=1e-12), eq.plan
+        assert slower["comm_s"] == pytest.approx(start["comm_s"], rel=1e-12), eq.plan
+        for phase, seconds in start["compute_s"].items():
+            assert slower["compute_s"][phase] == pytest.approx(2 * seconds, rel=1e-9), (eq.plan, phase)
+        assert slower["step_s"] > start["step_s"]
 
 
 def test_repredict_rebuilds_a_recorded_runs_planner(capsys):

@@ -22,7 +22,11 @@ shared CPUs hits all strategies alike. It records:
   ``set_custom_reduce_scatter`` and HSDP's all-reduce through ``set_all_reduce_hook``;
   DDP (each of torch's hooks) through a recording process group given to the hook;
 * the planner's prediction for the same strategy (its cost model with the measured
-  bandwidth table and a compute rate calibrated on this cluster at start-up).
+  bandwidth table and a compute rate calibrated on this cluster at start-up), and the
+  same with the in-run calibration: the start-up's plain forward + backward, timed again
+  at the start of every timed round (:class:`~.measure.InRunProbe`, which times the
+  calibration's all-reduce across the nodes there too), scales every rate measured on
+  the cores (:func:`~.planning.scaled_hardware`).
 
 Rank 0 writes ``cluster.json``, ``cluster.md`` and ``cluster.png`` into ``--out-dir``.
 
@@ -44,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from lins_dtensor import LinsPlan
-from lins_dtensor.bench.measure import Instance, Ranks, calibrate, log, summarize_times
+from lins_dtensor.bench.measure import Instance, InRunProbe, Ranks, calibrate, log, summarize_times
 from lins_dtensor.bench.model import MODEL_SIZES
 from lins_dtensor.bench.planning import Overlap, Planning, bench_model_spec, calibrated_hardware
 from lins_dtensor.bench.report import RowSpec, make_row, run_meta, write_results
@@ -139,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     log(rank, f"world {ranks.world} = {ranks.nodes} nodes x {ranks.per_node}; model {args.model} ({ma.num_params() / 1e6:.2f} M params), "
         f"seq {args.seq_len} x {args.batch_size} per micro-batch, M in {args.microbatches}")
 
-    calib = calibrate(args, ranks)
+    probe = InRunProbe(args, ranks)
+    calib = calibrate(args, ranks, probe)
     log(rank, f"calibration: fwd+bwd {calib['forward_backward_s']:.3f} s/micro-batch -> {calib['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; "
         f"AdamW step {calib['optimizer_step_s']:.3f} s; copies {calib['copy_bytes_per_s'] / 1e9:.2f} GB/s; "
         f"host time per unit and micro-batch: FSDP2 {calib['unit_overhead_s'] * 1e3:.1f} ms, Lins with P replicated "
@@ -162,7 +167,16 @@ def run(args: argparse.Namespace) -> int:
     done: list[int] = []
     for i, m in enumerate(args.microbatches):
         build_instances(wanted[m], instances, strategies, args, ranks)
-        results = measure(m, wanted[m], instances, args, rank)
+        results = measure(m, wanted[m], instances, args, rank, probe)
+        in_run = probe.take()
+        in_run["slowdown"] = in_run["forward_backward_s"] / calib["forward_backward_s"]
+        # Recorded, not used by the predictions: the links are the bandwidth table's.
+        in_run["link_slowdown"] = in_run["all_reduce_s"] / calib["overlap_probe"]["all_reduce_s"]
+        meta["in_run_calibration"][f"M={m}"] = in_run
+        in_run_planning = planning.in_run(in_run["slowdown"])
+        log(rank, f"M={m}: in-run calibration: forward+backward {in_run['forward_backward_s']:.3f} s "
+            f"({in_run['slowdown']:.2f}x the start-up's), all-reduce across the nodes {in_run['all_reduce_s']:.3f} s "
+            f"({in_run['link_slowdown']:.2f}x)")
         release_instances(instances, [row for later in args.microbatches[i + 1:] for row in wanted[later]])
         for row in wanted[m]:
             result = results[row.instance]
@@ -175,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(make_row(
                     row, measured=result, per_rank=per_rank,
                     reused=any(r["microbatches"] == m and r["instance"] == row.instance for r in rows),
-                    predicted={**planning.predict(m, eq), "note": eq.note},
+                    predicted={**planning.predict(m, eq), "step_s_in_run": in_run_planning.predict(m, eq)["step_s"], "note": eq.note},
                     tokens_per_step=ranks.world * m * args.batch_size * args.seq_len, budgets_gib=budgets,
                     link_rate=args.link_rate, ranks_per_node=ranks.per_node,
                 ))
@@ -260,10 +274,12 @@ def release_instances(instances: dict[str, Instance], later_rows: list[RowSpec])
     gc.collect()
 
 
-def measure(m: int, rows: list[RowSpec], instances: dict[str, Instance], args: argparse.Namespace, rank: int) -> dict[str, dict]:
+def measure(m: int, rows: list[RowSpec], instances: dict[str, Instance], args: argparse.Namespace, rank: int,
+            probe: InRunProbe) -> dict[str, dict]:
     """Each instance of ``rows`` at M: warm-up steps alone (they give its memory), then
     ``--steps`` rounds of one timed step each, interleaved with the order rotated every
-    round, so that load drifting on the shared CPUs hits every strategy alike."""
+    round, so that load drifting on the shared CPUs hits every strategy alike; each round
+    starts with a sample of ``probe`` (the in-run calibration)."""
     active = list(dict.fromkeys(row.instance for row in rows))
     for key in active:
         log(rank, f"M={m}: warming up {key}")
@@ -271,6 +287,7 @@ def measure(m: int, rows: list[RowSpec], instances: dict[str, Instance], args: a
     log(rank, f"M={m}: warmed up {len(active)} strategies; {args.steps} timed rounds")
     for r in range(args.steps):
         shift = r % len(active)
+        probe.sample()
         for key in active[shift:] + active[:shift]:
             instances[key].timed(m)
     return {key: instances[key].finish(m) for key in active}

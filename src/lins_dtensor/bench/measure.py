@@ -247,7 +247,58 @@ def link_bytes(records: Iterable[CollectiveRecord]) -> dict:
 
 
 # ----- calibration ---------------------------------------------------------------------------------
-def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
+class InRunProbe:
+    """Two of the start-up calibration's passes, timed again in every timed round of the
+    benchmark: the plain forward + backward of one micro-batch (the model with no
+    strategy applied) and the all-reduce across the nodes (of the size each rank reduces
+    under os=<node size>), each with all ranks starting together.
+
+    The start-up calibration measures the cores before any strategy exists; in full runs
+    with 17 strategies alive, every row (torch's as much as Lins') then ran 12-41 %
+    slower than predicted while a run with 3 alive ran close to it. Timing the same
+    passes inside the rounds measures how fast the cores compute, and the links carry,
+    while the rows are measured, so that drift of the shared machine and model error
+    can be told apart (:func:`lins_dtensor.bench.planning.scaled_hardware`).
+    """
+
+    def __init__(self, args: argparse.Namespace, ranks: Ranks) -> None:
+        self.model = build_model(args.model)
+        self.args, self.rank = args, ranks.rank
+        rpn = ranks.per_node
+        # Every rank creates every group (new_group is collective), then keeps its own.
+        self.cross = [dist.new_group([local + n * rpn for n in range(ranks.nodes)]) for local in range(rpn)][ranks.rank % rpn]
+        self.message = torch.zeros(sum(p.numel() for p in self.model.parameters()) // rpn)
+        self.samples: dict[str, list[float]] = {"forward_backward_s": [], "all_reduce_s": []}
+
+    def forward_backward(self, i: int) -> None:
+        ma = MODEL_SIZES[self.args.model]
+        loss_fn(self.model, batch(99, self.rank, i, ma.vocab_size, self.args.seq_len, self.args.batch_size)).backward()
+
+    def all_reduce(self) -> None:
+        dist.all_reduce(self.message, group=self.cross)
+
+    def sample(self) -> None:
+        """One timed pass of each, all ranks starting together (as in the calibration)."""
+        for key, work in (("forward_backward_s", lambda: self.forward_backward(len(self.samples["forward_backward_s"]))),
+                          ("all_reduce_s", self.all_reduce)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            work()
+            self.samples[key].append(time.perf_counter() - t0)
+        self.model.zero_grad(set_to_none=True)
+
+    def take(self) -> dict:
+        """Of each pass, the slowest rank's median of its samples since the last call (a
+        collective, as the calibration's figures are); the samples are cleared."""
+        keys = list(self.samples)
+        mine = torch.tensor([statistics.median(self.samples[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        out = {**dict(zip(keys, (float(v) for v in mine))), "samples": len(self.samples[keys[0]])}
+        self.samples = {k: [] for k in keys}
+        return out
+
+
+def calibrate(args: argparse.Namespace, ranks: Ranks, probe: InRunProbe) -> dict:
     """This machine as the planner sees it, measured while every rank does the same work:
 
     * the compute rate (forward + backward of one micro-batch), the optimizer rate (an
@@ -268,7 +319,8 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
     """
     rank, world, rpn = ranks
     ma = MODEL_SIZES[args.model]
-    model, replicated_model, fsdp_model = (build_model(args.model) for _ in range(3))
+    model = probe.model  # the plain pass is the probe's, so that the rounds' probe compares with it
+    replicated_model, fsdp_model = (build_model(args.model) for _ in range(2))
     spec = model_from_module(model, name=f"bench-{args.model}", ffn_dim=ma.ffn_dim)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
     replicated = LinsPlan.parse("ddp", world)
@@ -279,8 +331,7 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
         fully_shard(unit, mesh=mesh.param_mesh(), mp_policy=fp32)  # one-rank groups: FSDP2's host work alone
     numel = sum(p.numel() for p in model.parameters())
     src, dst = torch.randn(numel), torch.empty(numel)
-    cross = [dist.new_group([local + n * rpn for n in range(ranks.nodes)]) for local in range(rpn)][rank % rpn]
-    message = torch.zeros(numel // rpn)
+    cross, message = probe.cross, probe.message
 
     def timed(fn: Callable[[], object]) -> float:
         dist.barrier()
@@ -316,7 +367,7 @@ def calibrate(args: argparse.Namespace, ranks: Ranks) -> dict:
             "fsdp": timed(forward_backward(fsdp_model, i)),
             "step": timed(opt.step),
             "copy": timed(lambda: dst.copy_(src)),
-            "comm": timed(lambda: dist.all_reduce(message, group=cross)),
+            "comm": timed(probe.all_reduce),
             "compute2": timed(compute_twice),
             "both": timed(both),
             **{name: timed(codec(name)) for name in lossy},

@@ -65,6 +65,24 @@ def calibrated_hardware(calib: dict, ranks_per_node: int) -> HardwareSpec:
     )
 
 
+def scaled_hardware(hardware: HardwareSpec, slowdown: float) -> HardwareSpec:
+    """``hardware`` with every rate measured on this host's cores ``slowdown`` times
+    slower: compute, optimizer, copies, host time per unit, gemm calls and the lossy
+    formats' codec. The links (the bandwidth table) are left as profiled.
+
+    The benchmark's in-run calibration: ``slowdown`` is the probe's forward + backward
+    during the timed rounds over the start-up one (:class:`~.measure.InRunProbe`).
+    One factor for all of them is a simplification: it reads how fast the shared cores
+    compute while the rows run, not each kind of work's own rate."""
+    return dataclasses.replace(
+        hardware, name=f"{hardware.name}, in-run x{slowdown:.2f}", peak_flops=hardware.peak_flops / slowdown,
+        hbm_bw=hardware.hbm_bw / slowdown, copy_bw=None if hardware.copy_bw is None else hardware.copy_bw / slowdown,
+        unit_overhead_s=hardware.unit_overhead_s * slowdown, replicated_unit_overhead_s=hardware.replicated_unit_overhead_s * slowdown,
+        gemm_call_s=hardware.gemm_call_s * slowdown,
+        codec_s_per_value={fmt: s * slowdown for fmt, s in hardware.codec_s_per_value.items()},
+    )
+
+
 class Overlap(NamedTuple):
     """An overlap model of the planner: how much compute hides FSDP2's per-micro-batch
     collectives, and Lins' asynchronous ones (TrainingSpec's two fractions)."""
@@ -135,6 +153,10 @@ class Planning:
             "dropped_for_memory": len(ex.dropped), "table_fallbacks": [list(s) for s in ex.table_fallbacks],
             "top5": [{"plan": str(c.plan), "formats": str(c.formats), "step_s": c.step_s} for c in ex.ranked[:5]],
         }
+
+    def in_run(self, slowdown: float) -> Planning:
+        """This planner on :func:`scaled_hardware` (the in-run calibration)."""
+        return dataclasses.replace(self, hardware=scaled_hardware(self.hardware, slowdown))
 
     def predict(self, microbatches: int, eq: Equivalent) -> dict:
         """The planner's prediction with the run's overlap model, plus the reference one's

@@ -53,7 +53,9 @@ METHODS = {
                  "and copy rates, the host time per unit (FSDP2's, and Lins' where P is replicated) and the share of "
                  "compute Lins' asynchronous collectives hide behind, all calibrated at start-up; with the run's overlap "
                  "model (FSDP2 0: it blocks on its collectives on CPU; Lins as calibrated) and with a reference one (0.8 "
-                 "for both, the planner's GPU default); other strategies are costed as the Lins plan with the same "
+                 "for both, the planner's GPU default), and with the run's overlap model on the in-run calibration "
+                 "(step_s_in_run: every rate measured on the cores scaled by the forward+backward of the timed rounds "
+                 "over the start-up's, meta.in_run_calibration); other strategies are costed as the Lins plan with the same "
                  "collectives, issued the way that strategy issues them. Strategies the planner cannot cost have no "
                  "prediction (predicted.not_costed says why: PowerSGD's compression is not in its model): they have no "
                  "prediction error or link floor, their fit is unknown (null), "
@@ -192,6 +194,7 @@ def run_meta(
         "reference_overlap_fraction": args.reference_overlap_fraction,
         "memory_budget_gib": args.memory_budget_gib or None, "bandwidth_table": os.path.abspath(args.bandwidth),
         "calibration": calib, "hardware": dataclasses.asdict(hardware),
+        "in_run_calibration": {},  # per M, filled in as it is measured (InRunProbe.take and the slowdowns)
         "planner": [{"microbatches": m, "budget": lb, **c} for (m, lb), c in choices["lins-planner"].items()],
         "planner_compressed": [{"strategy": s, "microbatches": m, "budget": lb, **c}
                                for s, picks in choices.items() if s != "lins-planner" for (m, lb), c in picks.items()],
@@ -228,14 +231,25 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return cov / (vx * vy) if vx and vy else None
 
 
+# The predictions of each row, by the suffix of their keys: with the run's overlap model
+# and the start-up calibration, the reference overlap model, and the run's overlap model
+# with the in-run calibration (absent from runs before it existed).
+PREDICTIONS = ("", "_reference", "_in_run")
+
+
+def _predictions(rows: list[dict]) -> list[str]:
+    """The suffixes of :data:`PREDICTIONS` that every one of ``rows`` has."""
+    return [suffix for suffix in PREDICTIONS if all(r["predicted"].get("step_s" + suffix) is not None for r in rows)]
+
+
 def _accuracy(rows: list[dict], errors: bool = True) -> dict:
-    """Spearman rank correlation (and mean |error|) of both predictions against the
+    """Spearman rank correlation (and mean |error|) of each prediction against the
     medians, over the rows the planner costed; the others are named."""
     out: dict = {"not_costed": list(dict.fromkeys(r["strategy"] for r in rows if r["predicted"]["step_s"] is None))}
     rows = [r for r in rows if r["predicted"]["step_s"] is not None]
     measured = [r["step_time_s"]["median"] for r in rows]
     out["n"] = len(rows)
-    for suffix in ("", "_reference"):
+    for suffix in _predictions(rows):
         out["spearman" + suffix] = spearman([r["predicted"]["step_s" + suffix] for r in rows], measured)
         if errors:
             out["mean_abs_error" + suffix] = sum(abs(r["prediction_error" + suffix]) for r in rows) / len(rows) if rows else None
@@ -245,8 +259,8 @@ def _accuracy(rows: list[dict], errors: bool = True) -> dict:
 def assemble(meta: dict, rows: list[dict]) -> dict:
     for r in rows:
         measured = r["step_time_s"]["median"]
-        for suffix in ("", "_reference"):
-            predicted = r["predicted"]["step_s" + suffix]
+        for suffix in PREDICTIONS:
+            predicted = r["predicted"].get("step_s" + suffix)
             r["prediction_error" + suffix] = None if predicted is None else (predicted - measured) / measured
     ms = sorted({r["microbatches"] for r in rows})
     correlation, comparisons = {}, {}
@@ -384,8 +398,17 @@ def _floor(r: dict) -> str:
 
 
 def _predicted(r: dict, suffix: str) -> str:
-    step = r["predicted"]["step_s" + suffix]
+    step = r["predicted"].get("step_s" + suffix)
     return "not costed" if step is None else f"{step:.2f} ({r['prediction_error' + suffix]:+.0%})"
+
+
+def _in_run_text(in_run: dict) -> str:
+    """The in-run calibration of each M, against the start-up's."""
+    per_m = "; ".join(f"{m}: forward+backward {c['forward_backward_s']:.3f} s ({c['slowdown']:.2f}x), all-reduce across the nodes "
+                      f"{c['all_reduce_s']:.3f} s ({c['link_slowdown']:.2f}x)" for m, c in in_run.items())
+    return (f"In-run calibration (the same passes at the start of each of the timed rounds, slowest rank's median; x the "
+            f"start-up's): {per_m}. The in-run predictions scale every rate measured on the cores (compute, optimizer, copies, "
+            "host time, codecs) by the forward+backward's factor; the links stay as profiled.")
 
 
 def _fits(fits: bool | None) -> str:
@@ -415,6 +438,7 @@ def markdown(result: dict) -> str:
         "",
         _calibration_text(meta["calibration"]),
         "",
+        *([_in_run_text(meta["in_run_calibration"]), ""] if meta.get("in_run_calibration") else []),
         "Planner choices:",
         "",
     ]
@@ -429,9 +453,11 @@ def markdown(result: dict) -> str:
     ov = f"FSDP2 {meta['overlap_fraction']:g} / Lins {meta['lins_overlap_fraction']:.2f}"
     ref = f"{meta['reference_overlap_fraction']:g}"
     budget_cols = [k for k in result["strategies"][0]["fits"] if k != "unlimited"] if result["strategies"] else []
+    in_run = any(r["predicted"].get("step_s_in_run") is not None for r in result["strategies"])
     head = ("| M | strategy | plan | wire formats | step s median [min, max] | link floor s | Lins comm exposed / hidden s | tokens/s | "
             "peak RSS delta MiB (max rank) | model states MiB | inter-node MB/rank msg (NIC) | intra-node MB/rank msg | "
-            f"predicted s, overlap {ov} (error) | predicted s, overlap {ref} (error) |" + "".join(f" fits {b} |" for b in budget_cols))
+            f"predicted s, overlap {ov} (error) | predicted s, overlap {ref} (error) |"
+            + (" predicted s, in-run calibration (error) |" if in_run else "") + "".join(f" fits {b} |" for b in budget_cols))
     lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["strategies"]:
         t, b, pm = r["step_time_s"], r["bytes_per_rank"], r["peak_memory"]
@@ -440,23 +466,26 @@ def markdown(result: dict) -> str:
             f"| {r['microbatches']} | {r['label']} | {r['plan'] or '-'} | {_formats(r)} | {t['median']:.3f} [{t['min']:.3f}, {t['max']:.3f}] | "
             f"{_floor(r)} | {_comm(r)} | {r['tokens_per_s']:.0f} | {_mib(pm['rss_delta_max_bytes'])} | "
             f"{_mib(pm['model_state_bytes_max'])} | {_mb(b['inter_message_bytes'])} ({_mb(b['inter_nic_bytes'])}) | "
-            f"{_mb(b['intra_message_bytes'])} | {_predicted(r, '')} | {_predicted(r, '_reference')} |{fits}"
+            f"{_mb(b['intra_message_bytes'])} | {_predicted(r, '')} | {_predicted(r, '_reference')} |"
+            + (f" {_predicted(r, '_in_run')} |" if in_run else "") + fits
         )
     not_costed = {r["strategy"]: r["predicted"]["not_costed"] for r in result["strategies"] if r["predicted"]["step_s"] is None}
     if not_costed:
         lines += ["", "Without a prediction (left out of the rank correlation and mean |error|; fit unknown):", ""]
         lines += [f"- {strategy}: {reason}" for strategy, reason in not_costed.items()]
     lines += ["", "Rank correlation of predicted vs measured step time (Spearman, distinct measurements), "
-              f"planner with overlap model {ov} (this run's) / {ref} (reference):", ""]
+              f"planner with overlap model {ov} (this run's) / {ref} (reference)"
+              + (" / this run's with the in-run calibration" if in_run else "") + ":", ""]
 
     def fmt(x, pct=False):
         return "n/a" if x is None else (f"{x:.0%}" if pct else f"{x:.2f}")
 
     for k, v in result["rank_correlation"].items():
-        extra = (f"; mean |error| {fmt(v['mean_abs_error'], True)} / {fmt(v['mean_abs_error_reference'], True)}"
+        suffixes = [s for s in PREDICTIONS if "spearman" + s in v]
+        extra = ("; mean |error| " + " / ".join(fmt(v["mean_abs_error" + s], True) for s in suffixes)
                  if "mean_abs_error" in v else "")
         skipped = f"; not costed: {', '.join(v['not_costed'])}" if v["not_costed"] else ""
-        lines.append(f"- {k}: rho = {fmt(v['spearman'])} / {fmt(v['spearman_reference'])} over {v['n']} strategies{extra}{skipped}")
+        lines.append(f"- {k}: rho = {' / '.join(fmt(v['spearman' + s]) for s in suffixes)} over {v['n']} strategies{extra}{skipped}")
     lines += ["", "Comparisons:", ""]
     for m, comp in result["comparisons"].items():
         if "lins_fsdp_over_fsdp2" in comp:

@@ -43,10 +43,13 @@ def planning_of_run(run_dir: str | Path) -> tuple[Planning, dict]:
 
 def repredict(run_dir: str | Path) -> dict:
     """Every costed row's measured median, recorded prediction and today's, with both
-    errors; per M the mean |error| and the rows beyond :data:`PREDICTION_TOLERANCE`; and
+    errors (and today's with the run's in-run calibration, where it has one); per M the
+    mean |error| of each and the rows beyond :data:`PREDICTION_TOLERANCE`; and
     each planner strategy's pick then and now (with the run's measured median of the
     pick now, where the run measured that plan in those formats at that M)."""
     planning, result = planning_of_run(run_dir)
+    in_run = {int(m.removeprefix("M=")): planning.in_run(c["slowdown"])
+              for m, c in result["meta"].get("in_run_calibration", {}).items()}
     rows, measured = [], {}
     for r in result["strategies"]:
         median, recorded = r["step_time_s"]["median"], r.get("predicted") or {}
@@ -56,16 +59,24 @@ def repredict(run_dir: str | Path) -> dict:
             continue
         eq = equivalent_plan(r["strategy"], planning.ranks.per_node, recorded["plan"], recorded["formats"])
         now = planning.predict(r["microbatches"], eq)["step_s"]
-        rows.append({
+        row = {
             "strategy": r["strategy"], "microbatches": r["microbatches"], "plan": recorded["plan"], "formats": recorded["formats"],
             "measured_s": median, "recorded_s": recorded["step_s"], "predicted_s": now,
             "recorded_error": recorded["step_s"] / median - 1, "error": now / median - 1,
-        })
+        }
+        if r["microbatches"] in in_run:
+            row["in_run_s"] = in_run[r["microbatches"]].predict(r["microbatches"], eq)["step_s"]
+            row["in_run_error"] = row["in_run_s"] / median - 1
+        rows.append(row)
     summary = {}
     for m in result["meta"]["microbatches"]:
         errors = [abs(row["error"]) for row in rows if row["microbatches"] == m]
         summary[f"M={m}"] = {"rows": len(errors), "mean_abs_error": sum(errors) / max(1, len(errors)),
                              "beyond_tolerance": sum(e > PREDICTION_TOLERANCE for e in errors)}
+        in_run_errors = [abs(row["in_run_error"]) for row in rows if row["microbatches"] == m and "in_run_error" in row]
+        if in_run_errors:
+            summary[f"M={m}"].update(in_run_mean_abs_error=sum(in_run_errors) / len(in_run_errors),
+                                     in_run_beyond_tolerance=sum(e > PREDICTION_TOLERANCE for e in in_run_errors))
     picks = []
     budget = result["meta"].get("memory_budget_gib")
     recorded_picks = {(c.get("strategy", "lins-planner"), c["microbatches"], c["budget"]): c
@@ -89,10 +100,13 @@ def _text(out: dict) -> str:
     lines = ["strategy                 M  plan            formats                        measured  recorded (err)    now (err)"]
     for r in out["rows"]:
         mark = "  <- beyond 20 %" if abs(r["error"]) > PREDICTION_TOLERANCE else ""
+        in_run = f"  in-run {r['in_run_s']:6.3f} ({r['in_run_error']:+.2f})" if "in_run_s" in r else ""
         lines.append(f"{r['strategy']:24s} {r['microbatches']:<2d} {r['plan']:15s} {r['formats'][:30]:30s} {r['measured_s']:8.3f}  "
-                     f"{r['recorded_s']:6.3f} ({r['recorded_error']:+.2f})  {r['predicted_s']:6.3f} ({r['error']:+.2f}){mark}")
+                     f"{r['recorded_s']:6.3f} ({r['recorded_error']:+.2f})  {r['predicted_s']:6.3f} ({r['error']:+.2f}){in_run}{mark}")
     for m, s in out["summary"].items():
-        lines.append(f"{m}: {s['rows']} costed rows, mean |error| {s['mean_abs_error']:.3f}, {s['beyond_tolerance']} beyond 20 %")
+        in_run = (f"; in-run calibration: mean |error| {s['in_run_mean_abs_error']:.3f}, {s['in_run_beyond_tolerance']} beyond 20 %"
+                  if "in_run_mean_abs_error" in s else "")
+        lines.append(f"{m}: {s['rows']} costed rows, mean |error| {s['mean_abs_error']:.3f}, {s['beyond_tolerance']} beyond 20 %{in_run}")
     for p in out["picks"]:
         measured = "not measured in this run" if p["measured_s"] is None else f"measured {p['measured_s']:.3f} s"
         change = "unchanged" if p["recorded"] == p["now"] else f"was {p['recorded']}"
