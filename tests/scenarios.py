@@ -106,6 +106,9 @@ class LinsRun:
     told_steps: int | None = None
     tree_name: str | None = None  # which NESTED_TREES entry model_kwargs is (conftest.py): a label
     comm_formats: str | None = None  # apply_lins' wire formats (None: exact)
+    # The mesh on process groups shared with the other such runs of the launch
+    # (build_lins_mesh's group_for), each run settled before the next starts.
+    shared_groups: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +131,13 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
     against its closed form on every rank, the units, and Lins' warnings."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
+    shared: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        if ranks not in shared:
+            shared[ranks] = dist.new_group(list(ranks))
+        return shared[ranks]
+
     for cfg in configs:
         tp = cfg.tp
         plan = LinsPlan.parse(cfg.plan, world // tp)
@@ -136,7 +146,8 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
             model = build_model(**cfg.model_kwargs)
         reference = build_model(**cfg.model_kwargs)  # the same values, unsharded
         frozen_before = reference.pos.detach().clone()
-        mesh = build_lins_mesh(plan, ranks_per_node=cfg.ranks_per_node, device_type="cpu", tp=tp)
+        mesh = build_lins_mesh(plan, ranks_per_node=cfg.ranks_per_node, device_type="cpu", tp=tp,
+                               group_for=group_for if cfg.shared_groups else None)
         if tp > 1:
             tensor_parallelize(model, mesh.tp_mesh())
         param_dtype = cfg.param_dtype
@@ -211,6 +222,7 @@ def train_lins(configs: list[LinsRun]) -> list[dict]:
             "comm_time": stats.comm_time(),
             "scalars": stats.scalars(),
             "lins_warnings": [str(w.message) for w in caught if str(w.message).startswith("lins:")],
+            "dim_groups": {dim: mesh.group(dim).group_name for dim in mesh.device_mesh.mesh_dim_names},
         })
     return results
 

@@ -263,13 +263,13 @@ def _ddp_hook_runs(steps: int, microbatches: int) -> dict:
     the bytes it recorded at every step."""
     import torch.distributed as dist
 
-    from lins_dtensor.bench.measure import Ranks
+    from lins_dtensor.bench.measure import Ranks, SharedGroups
     from lins_dtensor.bench.model import MODEL_SIZES, batch, loss_fn
     from lins_dtensor.bench.strategies import DDP_STRATEGIES, Strategies
 
     ranks = Ranks(dist.get_rank(), dist.get_world_size(), 1)
     ma = MODEL_SIZES["tiny"]
-    strategies = Strategies("tiny", ranks)
+    strategies = Strategies("tiny", ranks, SharedGroups())
     out = {}
     for kind in DDP_STRATEGIES:
         b = strategies.builder(kind, None)()

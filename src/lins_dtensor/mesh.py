@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -177,6 +178,21 @@ def _host_group() -> dist.ProcessGroup:
     return _HOST_GROUP[1]
 
 
+def _mesh_from_groups(
+    ranks: torch.Tensor, names: tuple[str, ...], device_type: str, group_for: Callable[[tuple[int, ...]], dist.ProcessGroup]
+) -> DeviceMesh:
+    """A DeviceMesh over ``ranks`` whose dims use ``group_for``'s groups: every group of
+    every dim is asked for on every rank in one order (creating a group is collective),
+    and this rank's group of each dim goes to ``DeviceMesh.from_group``."""
+    me = dist.get_rank()
+    mine = []
+    for dim in range(ranks.dim()):
+        groups = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist()
+        found = [group_for(tuple(members)) for members in groups]
+        mine.append(next(g for members, g in zip(groups, found) if me in members))
+    return DeviceMesh.from_group(mine, device_type, mesh=ranks, mesh_dim_names=names)
+
+
 def build_lins_mesh(
     plan: LinsPlan,
     world_size: int | None = None,
@@ -184,6 +200,7 @@ def build_lins_mesh(
     device_type: str | None = None,
     timeout: datetime.timedelta | None = None,
     tp: int = 1,
+    group_for: Callable[[tuple[int, ...]], dist.ProcessGroup] | None = None,
 ) -> LinsMesh:
     """Validate ``plan`` and build its mesh (a collective: every rank must call it).
 
@@ -199,6 +216,15 @@ def build_lins_mesh(
         tp (int): the tensor-parallel degree; TP groups are ``tp`` consecutive ranks
             inside a node, and :meth:`LinsMesh.tp_mesh` is the mesh to parallelise the
             model on.
+        group_for (Callable | None): ``None``: the mesh opens process groups of its own
+            for every dim. Else the group of a tuple of global ranks, called on every rank
+            for every group of every dim, in the same order (so it may create groups):
+            meshes built with one cache of groups share them. Only for models that never
+            have collectives in flight at once (each settled with
+            :func:`~lins_dtensor.wait_for_updates` before the other steps): two models'
+            chains on one group would be issued in different orders on different ranks.
+            Each gloo group keeps a thread that wakes every 10 ms; a benchmark that holds
+            many models alive shares them to keep those threads few.
 
     Returns:
         LinsMesh: the mesh to pass to :func:`~lins_dtensor.apply_lins`.
@@ -240,8 +266,11 @@ def build_lins_mesh(
     # collectives complete, a moment that differs between ranks: sharing a group with
     # the program's own collectives (a loss all-reduce on the default group) would let
     # ranks issue them in different orders and hang. Naming the backend opts out.
-    backend = dist.get_backend()
-    device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=((backend, None),) * len(names))
+    if group_for is None:
+        backend = dist.get_backend()
+        device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=((backend, None),) * len(names))
+    else:
+        device_mesh = _mesh_from_groups(ranks, names, device_type, group_for)
     mesh = LinsMesh(device_mesh, plan, ranks_per_node, _host_group())
     if timeout is not None:
         mesh.set_timeout(timeout)

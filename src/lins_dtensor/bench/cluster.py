@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from lins_dtensor import LinsPlan
-from lins_dtensor.bench.measure import Instance, InRunProbe, Ranks, calibrate, log, summarize_times
+from lins_dtensor.bench.measure import Instance, InRunProbe, Ranks, SharedGroups, calibrate, log, summarize_times
 from lins_dtensor.bench.model import MODEL_SIZES
 from lins_dtensor.bench.planning import Overlap, Planning, bench_model_spec, calibrated_hardware
 from lins_dtensor.bench.report import RowSpec, make_row, run_meta, write_results
@@ -143,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
     log(rank, f"world {ranks.world} = {ranks.nodes} nodes x {ranks.per_node}; model {args.model} ({ma.num_params() / 1e6:.2f} M params), "
         f"seq {args.seq_len} x {args.batch_size} per micro-batch, M in {args.microbatches}")
 
-    probe = InRunProbe(args, ranks)
-    calib = calibrate(args, ranks, probe)
+    groups = SharedGroups()
+    probe = InRunProbe(args, ranks, groups)
+    calib = calibrate(args, ranks, probe, groups)
     log(rank, f"calibration: fwd+bwd {calib['forward_backward_s']:.3f} s/micro-batch -> {calib['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; "
         f"AdamW step {calib['optimizer_step_s']:.3f} s; copies {calib['copy_bytes_per_s'] / 1e9:.2f} GB/s; "
         f"host time per unit and micro-batch: FSDP2 {calib['unit_overhead_s'] * 1e3:.1f} ms, Lins with P replicated "
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     choices = planning.choose_all(budgets, with_reference=not args.skip_reference_plan, strategies=args.strategies)
 
     wanted = rows_to_measure(args, choices, ranks)
-    strategies = Strategies(args.model, ranks)
+    strategies = Strategies(args.model, ranks, groups)
     instances: dict[str, Instance] = {}
     meta = run_meta(args, ranks, spec, calib, hw, choices, run_overlap)
     rows: list[dict] = []
@@ -266,8 +267,8 @@ def release_instances(instances: dict[str, Instance], later_rows: list[RowSpec])
     strategies only. With every instance of every M alive at once (24 in the default
     run, 1.7 GB per rank), the M = 1 step times on the 2-core emulation came out 19-75 %
     above those of the same rows in a run of 12 instances (the lossy Lins rows the most);
-    runs of 12 and of 5 instances agreed within 10 %. Their process groups stay (idle
-    threads)."""
+    runs of 12 and of 5 instances agreed within 10 %. Their process groups are the run's
+    shared ones (:class:`~.measure.SharedGroups`) and stay."""
     keep = {row.instance for row in later_rows}
     for key in [k for k in instances if k not in keep]:
         del instances[key]

@@ -58,6 +58,30 @@ class Ranks(NamedTuple):
         return self.world // self.per_node
 
 
+class SharedGroups:
+    """One process group per set of ranks, for every Lins mesh and probe of the run
+    (``build_lins_mesh(..., group_for=)``).
+
+    Each gloo group keeps a thread that wakes every 10 ms (gloo's tcp device loop), and
+    on 2 cores shared by 8 ranks those wake-ups delay Lins' chains, which go on only
+    when their collectives' completions are noticed: with a mesh of its own per
+    strategy (4 groups a Lins plan, one-rank dims included) a full run held 87 groups
+    per rank, and 80 idle groups made a Lins plan's step 1.4x (exact) to 1.8x (int8)
+    slower, DDP's 1.04x and a plain forward+backward not at all (docs/benchmark.md).
+    Sharing is safe here because strategies run one at a time, each settled before the
+    next starts (:meth:`Instance.timed`), so no two of them have collectives in flight.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def __call__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        """The group of ``ranks``, created (a collective: every rank asks in one order) the first time."""
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks))
+        return self._groups[ranks]
+
+
 def log(rank: int, msg: str) -> None:
     """Progress on rank 0 only, so that the log has one line per event."""
     if rank == 0:
@@ -261,12 +285,12 @@ class InRunProbe:
     can be told apart (:func:`lins_dtensor.bench.planning.scaled_hardware`).
     """
 
-    def __init__(self, args: argparse.Namespace, ranks: Ranks) -> None:
+    def __init__(self, args: argparse.Namespace, ranks: Ranks, groups: SharedGroups) -> None:
         self.model = build_model(args.model)
         self.args, self.rank = args, ranks.rank
         rpn = ranks.per_node
-        # Every rank creates every group (new_group is collective), then keeps its own.
-        self.cross = [dist.new_group([local + n * rpn for n in range(ranks.nodes)]) for local in range(rpn)][ranks.rank % rpn]
+        # Every rank asks for every group (creating one is collective), then keeps its own.
+        self.cross = [groups(tuple(local + n * rpn for n in range(ranks.nodes))) for local in range(rpn)][ranks.rank % rpn]
         self.message = torch.zeros(sum(p.numel() for p in self.model.parameters()) // rpn)
         self.samples: dict[str, list[float]] = {"forward_backward_s": [], "all_reduce_s": []}
 
@@ -298,7 +322,7 @@ class InRunProbe:
         return out
 
 
-def calibrate(args: argparse.Namespace, ranks: Ranks, probe: InRunProbe) -> dict:
+def calibrate(args: argparse.Namespace, ranks: Ranks, probe: InRunProbe, groups: SharedGroups) -> dict:
     """This machine as the planner sees it, measured while every rank does the same work:
 
     * the compute rate (forward + backward of one micro-batch), the optimizer rate (an
@@ -325,7 +349,7 @@ def calibrate(args: argparse.Namespace, ranks: Ranks, probe: InRunProbe) -> dict
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
     replicated = LinsPlan.parse("ddp", world)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    mesh = build_lins_mesh(replicated, ranks_per_node=rpn, device_type="cpu")
+    mesh = build_lins_mesh(replicated, ranks_per_node=rpn, device_type="cpu", group_for=groups)
     apply_lins(replicated_model, mesh, mp_policy=fp32)
     for unit in [*default_units(fsdp_model), fsdp_model]:
         fully_shard(unit, mesh=mesh.param_mesh(), mp_policy=fp32)  # one-rank groups: FSDP2's host work alone

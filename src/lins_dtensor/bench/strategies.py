@@ -38,7 +38,7 @@ from lins_dtensor import (
     set_gradient_accumulation_steps,
     wait_for_updates,
 )
-from lins_dtensor.bench.measure import LR, Built, Ranks
+from lins_dtensor.bench.measure import LR, Built, Ranks, SharedGroups
 from lins_dtensor.bench.model import build_model
 from lins_dtensor.collectives import CommRecorder, LinsAllGather, LinsReduceScatter
 from lins_dtensor.optimizer import local_nbytes, optimizer_state_bytes
@@ -146,10 +146,11 @@ def _torch_built(
 
 
 class Strategies:
-    """Builds each strategy on the same model; caches meshes so M=1 and M=4 share them."""
+    """Builds each strategy on the same model; caches meshes so M=1 and M=4 share them,
+    and builds Lins' meshes on the run's shared process groups (:class:`~.measure.SharedGroups`)."""
 
-    def __init__(self, model_size: str, ranks: Ranks) -> None:
-        self.model_size, self.world, self.rpn = model_size, ranks.world, ranks.per_node
+    def __init__(self, model_size: str, ranks: Ranks, groups: SharedGroups) -> None:
+        self.model_size, self.world, self.rpn, self.groups = model_size, ranks.world, ranks.per_node, groups
         self._meshes: dict[tuple, LinsMesh | DeviceMesh] = {}
 
     def builder(self, key: str, plan: str | None, formats: str = "exact") -> Callable[[], Built]:
@@ -161,12 +162,13 @@ class Strategies:
         return functools.partial(self.fsdp2, key)
 
     def lins_mesh(self, plan: LinsPlan, formats: str) -> LinsMesh:
-        """A mesh (process groups) per instance: two Lins models on the same groups would
-        each issue their collectives in their own order, and an update one of them left
-        in flight would interleave with the other's differently on different ranks."""
+        """The mesh of a plan, on the shared groups: two Lins models on the same groups must
+        not have collectives in flight at once (each would issue its chains in its own
+        order, differently on different ranks), which the timing loop guarantees by
+        settling every step before the next strategy's."""
         key = ("lins", str(plan), formats)
         if key not in self._meshes:
-            self._meshes[key] = build_lins_mesh(plan, ranks_per_node=self.rpn, device_type="cpu")
+            self._meshes[key] = build_lins_mesh(plan, ranks_per_node=self.rpn, device_type="cpu", group_for=self.groups)
         return self._meshes[key]
 
     def device_mesh(self, shape: tuple, names: tuple | None) -> DeviceMesh:
