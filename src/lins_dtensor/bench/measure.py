@@ -277,12 +277,13 @@ class InRunProbe:
     strategy applied) and the all-reduce across the nodes (of the size each rank reduces
     under os=<node size>), each with all ranks starting together.
 
-    The start-up calibration measures the cores before any strategy exists; in full runs
-    with 17 strategies alive, every row (torch's as much as Lins') then ran 12-41 %
-    slower than predicted while a run with 3 alive ran close to it. Timing the same
-    passes inside the rounds measures how fast the cores compute, and the links carry,
-    while the rows are measured, so that drift of the shared machine and model error
-    can be told apart (:func:`lins_dtensor.bench.planning.scaled_hardware`).
+    The start-up calibration measures the cores before any strategy exists; timing the
+    same passes inside the rounds measures how fast the cores compute, and the links
+    carry, while the rows are measured, so that drift of the shared machine and model
+    error can be told apart (:func:`lins_dtensor.bench.planning.scaled_hardware`). Its
+    first run showed no drift where rows ran 16-34 % slow, which led to the cause:
+    idle process groups' wake-ups, which delay chained collectives and not a plain pass
+    (:class:`SharedGroups`).
     """
 
     def __init__(self, args: argparse.Namespace, ranks: Ranks, groups: SharedGroups) -> None:
