@@ -16,7 +16,8 @@
 #   --tag NAME            prefix of the namespaces/links created (default
 #                         lb<pid>; at most 8 characters)                       [BENCH_TAG]
 #   --profile-max-size S  largest message of the bandwidth profile (4MiB)      [BENCH_PROFILE_MAX]
-#   --profile-iters K     calls per profiled point (3)                         [BENCH_PROFILE_ITERS]
+#   --profile-iters K     calls per profiled point and round (3)               [BENCH_PROFILE_ITERS]
+#   --profile-rounds R    rounds over all points; each keeps its median (5)    [BENCH_PROFILE_ROUNDS]
 # Everything after `--` goes to the benchmark module, e.g.
 #   -- --model tiny --strategies fsdp2 --microbatches 1 --warmup 0 --steps 1
 #   -- --memory-budget-gib 0.25 (per-rank budget the planner must respect)
@@ -45,6 +46,7 @@ SUBNET="${BENCH_SUBNET:-10.231.0}"
 TAG="${BENCH_TAG:-lb$$}"
 PROFILE_MAX="${BENCH_PROFILE_MAX:-4MiB}"
 PROFILE_ITERS="${BENCH_PROFILE_ITERS:-3}"
+PROFILE_ROUNDS="${BENCH_PROFILE_ROUNDS:-5}"
 BENCH_ARGS=()
 
 die() { echo "bench_cluster.sh: $*" >&2; exit 2; }
@@ -59,6 +61,7 @@ while [ $# -gt 0 ]; do
     --tag) TAG="$2"; shift 2 ;;
     --profile-max-size) PROFILE_MAX="$2"; shift 2 ;;
     --profile-iters) PROFILE_ITERS="$2"; shift 2 ;;
+    --profile-rounds) PROFILE_ROUNDS="$2"; shift 2 ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
@@ -154,7 +157,7 @@ launch() {
 
 echo "bench_cluster.sh: profiling collectives (planner bandwidth table)" >&2
 launch 29511 -m lins_dtensor.planner profile --out "$OUT/bandwidth.json" \
-  --max-size "$PROFILE_MAX" --iters "$PROFILE_ITERS" --ranks-per-node "$RPN"
+  --max-size "$PROFILE_MAX" --iters "$PROFILE_ITERS" --rounds "$PROFILE_ROUNDS" --ranks-per-node "$RPN"
 echo "bench_cluster.sh: running the benchmark" >&2
 launch 29512 -m lins_dtensor.bench.cluster --bandwidth "$OUT/bandwidth.json" --out-dir "$OUT" \
   --link-rate "$RATE" "${BENCH_ARGS[@]}"

@@ -62,7 +62,7 @@ def test_bench_cluster_end_to_end(tmp_path):
     out = tmp_path / "results"
     cmd = [
         "bash", str(SCRIPT), "--nodes", "2", "--ranks-per-node", "2", "--rate", "400mbit", "--timeout", "240",
-        "--out", str(out), "--tag", tag, "--subnet", "10.231.9", "--profile-max-size", "64KiB", "--profile-iters", "1",
+        "--out", str(out), "--tag", tag, "--subnet", "10.231.9", "--profile-max-size", "64KiB", "--profile-iters", "1", "--profile-rounds", "2",
         "--", "--model", "tiny", "--seq-len", "16", "--microbatches", "1", "--warmup", "1", "--steps", "1",
         "--strategies", "lins-fsdp,lins-int8", "--memory-budget-gib", "0.0001", "--no-plot",
     ]
@@ -79,7 +79,7 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert leftover == [], f"namespaces left behind: {leftover}"
     assert proc.returncode == 0, (stdout + stderr)[-3000:]
     result = json.loads((out / "cluster.json").read_text())
-    assert (out / "cluster.md").exists() and (out / "bandwidth.json").exists()
+    assert (out / "cluster.md").exists() and json.loads((out / "bandwidth.json").read_text())["meta"]["rounds"] == 2
     assert {"meta", "strategies", "rank_correlation", "comparisons"} <= set(result)
     meta = result["meta"]
     assert meta["world_size"] == 4 and meta["nodes"] == 2 and meta["ranks_per_node"] == 2

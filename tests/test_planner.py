@@ -479,7 +479,7 @@ def _profile_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        table = profile_bandwidth([1024, 4096], ranks_per_node=1, iters=2)
+        table = profile_bandwidth([1024, 4096], ranks_per_node=1, iters=2, rounds=3)
         if rank == 0:
             table.save(out)
     finally:
@@ -504,11 +504,20 @@ def test_profiler_under_spawn_feeds_the_planner(tmp_path):
     table = BandwidthTable.load(out)
     assert set(table.entries) == set(needed_shapes(2, 1))
     assert all(len(pts) == 2 and all(t > 0 for _, t in pts) for pts in table.entries.values())
+    assert table.meta["rounds"] == 3 and table.meta["largest_round_spread"] >= 1.0
     cluster = ClusterSpec.preset("cpu-emulated", 2, 1, bandwidth=table)
     _, ex = choose_plan("debugmodel", cluster, TrainingSpec(seq_len=64))
     assert ex.table_fallbacks == []
     assert main(["--model", "debugmodel", "--gpus", "2", "--gpus-per-node", "1", "--hardware", "cpu-emulated", "--seq-len", "64", "--bandwidth", out]) == 0
 
+
+
+def test_a_profiled_point_is_its_median_round_so_one_slow_round_does_not_count():
+    from lins_dtensor.planner.profile import median_over_rounds
+
+    rounds = [[(1024.0, 0.010), (4096.0, 0.030)], [(1024.0, 0.050), (4096.0, 0.020)], [(1024.0, 0.012), (4096.0, 0.025)]]
+    assert median_over_rounds(rounds) == [(1024.0, 0.012), (4096.0, 0.025)]
+    assert median_over_rounds(rounds[:1]) == rounds[0]
 
 
 def _kernel_timings(hw, shapes: KernelShapes, element_bytes: int) -> tuple[list[GemmTiming], list[AttentionTiming]]:

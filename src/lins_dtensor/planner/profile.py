@@ -4,7 +4,11 @@ curve for the planner.
 Collectives (``--out``): run under torchrun (every rank runs it; gloo on CPU works). For
 every group shape the search can need on this world size, all groups of that shape run
 the collective at once, as the mesh dims do in training, so NIC sharing is measured, not
-assumed. Each time is the slowest rank's mean over ``iters`` calls after a warm-up call.
+assumed. A point's time is the median over ``rounds`` of the slowest rank's mean over
+``iters`` calls after a warm-up call; each round measures every point once, so a slow
+spell of a shared host lands in one round of many points rather than in every call of a
+few (on the 2-core emulated cluster single rounds of the intra-node points differed up to
+3x between runs, enough to move the planner's picks).
 
 Compute (``--hardware-out``, one process, or rank 0 under torchrun): bf16 GEMMs of a
 transformer block's shapes and causal ``scaled_dot_product_attention`` forward and
@@ -88,12 +92,15 @@ def shape_groups(world_size: int, ranks_per_node: int, r: int, nodes: int) -> li
 
 
 def profile_bandwidth(
-    sizes: list[int], *, ranks_per_node: int, iters: int = 5, shapes: list[tuple[str, int, int]] | None = None, dtype=None,
+    sizes: list[int], *, ranks_per_node: int, iters: int = 5, rounds: int = 3,
+    shapes: list[tuple[str, int, int]] | None = None, dtype=None,
 ) -> BandwidthTable:
     """Measure every needed shape at every message size (a collective: all ranks call it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % ranks_per_node:
         raise PlannerError(f"world size {world} is not divisible by ranks_per_node={ranks_per_node}")
+    if rounds < 1 or iters < 1:
+        raise PlannerError(f"profile: --rounds ({rounds}) and --iters ({iters}) must be at least 1")
     dtype = dtype or torch.float32
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     elem = torch.empty((), dtype=dtype).element_size()
@@ -104,36 +111,54 @@ def profile_bandwidth(
             # Every rank creates every group, in the same order.
             mine, _ = dist.new_subgroups_by_enumeration(shape_groups(world, ranks_per_node, r, m))
             groups_by_shape[(r, m)] = mine
-    entries: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
-    for op, r, m in shapes:
-        group, n = groups_by_shape[(r, m)], r * m
-        points = []
-        for nbytes in sizes:
-            numel = max(n, (nbytes // elem) // n * n)  # the message: AG output / RS and all-to-all input / AR tensor
-            big = torch.ones(numel, dtype=dtype, device=device)
-            small = torch.ones(numel // n, dtype=dtype, device=device)
-            if op == "all_gather":
-                call = lambda: all_gather_single(big, small, group=group)  # noqa: E731
-            elif op == "reduce_scatter":
-                call = lambda: reduce_scatter_single(small, big, group=group)  # noqa: E731
-            elif op == "all_to_all":
-                out = torch.empty_like(big)
-                call = lambda: dist.all_to_all_single(out, big, group=group)  # noqa: E731
-            else:
-                call = lambda: dist.all_reduce(big, group=group)  # noqa: E731
-            call()
-            _sync(device)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                call()
-            _sync(device)
-            elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            points.append((float(numel * elem), float(elapsed.item())))
-        entries[(op, r, m)] = monotone(points)
-    meta = {"world_size": world, "backend": dist.get_backend(), "dtype": str(dtype), "iters": iters, "rank": rank}
+    by_round: dict[tuple[str, int, int], list[list[tuple[float, float]]]] = {shape: [] for shape in shapes}
+    for _ in range(rounds):
+        for op, r, m in shapes:
+            group, n = groups_by_shape[(r, m)], r * m
+            points = []
+            for nbytes in sizes:
+                numel = max(n, (nbytes // elem) // n * n)  # the message: AG output / RS and all-to-all input / AR tensor
+                points.append((float(numel * elem), _time_collective(op, group, n, numel, dtype, device, iters)))
+            by_round[(op, r, m)].append(points)
+    entries = {shape: monotone(median_over_rounds(rounds_)) for shape, rounds_ in by_round.items()}
+    spread = max(max(times) / min(times) for rounds_ in by_round.values() for _, times in _times_by_size(rounds_))
+    meta = {"world_size": world, "backend": dist.get_backend(), "dtype": str(dtype), "iters": iters, "rounds": rounds,
+            "largest_round_spread": round(spread, 3), "rank": rank}
     return BandwidthTable(ranks_per_node, entries, meta)
+
+
+def median_over_rounds(rounds: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Each message size's median time over rounds (each round: (bytes, seconds) per size)."""
+    return [(size, statistics.median(times)) for size, times in _times_by_size(rounds)]
+
+
+def _times_by_size(rounds: list[list[tuple[float, float]]]) -> list[tuple[float, list[float]]]:
+    return [(points[0][0], [seconds for _, seconds in points]) for points in zip(*rounds)]
+
+
+def _time_collective(op: str, group, n: int, numel: int, dtype: torch.dtype, device: torch.device, iters: int) -> float:
+    """The slowest rank's mean seconds per call of ``op`` on ``numel`` values over ``n`` ranks."""
+    big = torch.ones(numel, dtype=dtype, device=device)
+    small = torch.ones(numel // n, dtype=dtype, device=device)
+    if op == "all_gather":
+        call = lambda: all_gather_single(big, small, group=group)  # noqa: E731
+    elif op == "reduce_scatter":
+        call = lambda: reduce_scatter_single(small, big, group=group)  # noqa: E731
+    elif op == "all_to_all":
+        out = torch.empty_like(big)
+        call = lambda: dist.all_to_all_single(out, big, group=group)  # noqa: E731
+    else:
+        call = lambda: dist.all_reduce(big, group=group)  # noqa: E731
+    call()
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
 
 
 def _sync(device) -> None:
@@ -348,7 +373,8 @@ def run_profile(argv: list[str]) -> int:
     p.add_argument("--min-size", default="64KiB")
     p.add_argument("--max-size", default="256MiB")
     p.add_argument("--factor", type=int, default=4, help="ratio between consecutive message sizes")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5, help="calls per point and round (their mean is the round's time)")
+    p.add_argument("--rounds", type=int, default=3, help="times every point is measured; the table keeps each point's median")
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE (set by torchrun)")
     p.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     args = p.parse_args(argv)
@@ -371,7 +397,7 @@ def run_profile(argv: list[str]) -> int:
     dist.init_process_group(backend)
     try:
         rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        table = profile_bandwidth(sizes, ranks_per_node=rpn, iters=args.iters)
+        table = profile_bandwidth(sizes, ranks_per_node=rpn, iters=args.iters, rounds=args.rounds)
         if dist.get_rank() == 0:
             table.save(args.out)
             print(f"lins-plan profile: {len(table.entries)} shapes x {len(sizes)} sizes -> {args.out}")
