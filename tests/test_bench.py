@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -476,25 +477,77 @@ def test_ddp_bf16_hook_is_costed_as_its_own_bf16_all_reduce_and_casts():
     from lins_dtensor import LinsPlan
     from lins_dtensor.bench.measure import Ranks
     from lins_dtensor.bench.model import MODEL_SIZES, build_model
-    from lins_dtensor.bench.planning import Overlap, Planning
+    from lins_dtensor.bench.planning import Overlap, Planning, ddp_buckets
     from lins_dtensor.bench.strategies import equivalent_plan
     from lins_dtensor.planner import evaluate, hardware_preset
     from lins_dtensor.planner.models import model_from_module
 
     spec = model_from_module(build_model("tiny"), name="tiny", ffn_dim=MODEL_SIZES["tiny"].ffn_dim)
+    last_bucket = max(ddp_buckets(spec, 4)[-1][1]) + 1
     hw = dataclasses.replace(hardware_preset("cpu-emulated"), ranks_per_node=4, codec_s_per_value={"bf16": 1e-8, "int8": 2e-8},
                              unit_overhead_s=0.0, replicated_unit_overhead_s=0.0, copy_bw=math.inf)
     args = argparse.Namespace(seq_len=16, batch_size=1, microbatches=[1])
     planning = Planning(spec, hw, None, Ranks(0, 8, 4), args, Overlap(0.0, 0.8), Overlap(0.8, 0.8))
     hook = planning.predict(1, equivalent_plan("ddp-bf16-hook", 4))
     training = dataclasses.replace(planning.training(1, planning.run_overlap), reduce_bytes=2)
-    own = evaluate(LinsPlan.parse("ddp", 8), spec, planning.cluster(None), training)
+    own = evaluate(LinsPlan.parse("ddp", 8), spec, planning.cluster(None), training, final_chain_units=last_bucket)
     casts = 2 * spec.num_params * 1e-8
     assert hook["step_s"] == pytest.approx(own.step_s + casts)
     assert hook["compute_s"]["backward"] == pytest.approx(own.compute_s["backward"] + casts)
     assert hook["comm_s"] == pytest.approx(own.comm_s)
     as_lins = planning.predict(1, equivalent_plan("lins-plan", 4, "ddp", "grads=bf16,grads:intra=bf16"))
     assert as_lins["step_s"] != pytest.approx(hook["step_s"])  # Lins' bf16: all-to-all + all-gather
+
+
+_DDP_BUCKETS = """
+import os, torch.distributed as dist, torch.nn as nn
+from lins_dtensor.bench.model import batch, build_model, loss_fn
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+ddp = nn.parallel.DistributedDataParallel(build_model("small"))
+for step in range(3):  # DDP rebuilds its buckets in the second forward, in the first backward's gradient-ready order
+    loss_fn(ddp, batch(step, 0, 0, 2048, 16, 1)).backward()
+print(ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"])
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_buckets_are_torch_ddps_own_and_its_last_bucket_does_not_hide():
+    """The bucket model (planning.ddp_buckets) gives torch DDP's rebuilt bucket sizes for
+    the benchmark model (read from DDP's logging data, a private API used only here), and
+    DDP's prediction leaves the all-reduce of every unit in the last bucket exposed:
+    costed with Lins' one-unit final chain it hid 0.2 s that DDP cannot (its bf16 hook's
+    row was 21-27 % low in three runs)."""
+    import argparse
+
+    from lins_dtensor import LinsPlan
+    from lins_dtensor.bench.measure import Ranks
+    from lins_dtensor.bench.planning import Overlap, Planning, bench_model_spec, ddp_buckets
+    from lins_dtensor.bench.strategies import equivalent_plan
+    from lins_dtensor.planner import evaluate, hardware_preset
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = subprocess.run([sys.executable, "-c", _DDP_BUCKETS], env={**os.environ, "PORT": str(port)},
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    torch_sizes = [int(b) for b in out.stdout.strip().splitlines()[-1].split(",")]
+    spec = bench_model_spec("small")
+    buckets = ddp_buckets(spec, 4)
+    assert [size for size, _ in buckets] == torch_sizes == [2097152, 22557696]  # the output layer, then all else
+    assert buckets[0][1] == {8} and buckets[1][1] == set(range(8))
+
+    hw = dataclasses.replace(hardware_preset("cpu-emulated"), ranks_per_node=4, unit_overhead_s=0.0, replicated_unit_overhead_s=0.0)
+    args = argparse.Namespace(seq_len=128, batch_size=1, microbatches=[1])
+    planning = Planning(spec, hw, None, Ranks(0, 8, 4), args, Overlap(0.0, 0.95), Overlap(0.8, 0.8))
+    ddp = planning.predict(1, equivalent_plan("ddp", 4))
+    cluster = dataclasses.replace(planning.cluster(None), hardware=dataclasses.replace(hw, copy_bw=math.inf))
+    training = planning.training(1, planning.run_overlap)
+    as_lins, bucketed, every = (evaluate(LinsPlan.parse("ddp", 8), spec, cluster, training, final_chain_units=k) for k in (1, 8, 9))
+    assert ddp["step_s"] == pytest.approx(bucketed.step_s) and ddp["exposed_s"] == pytest.approx(bucketed.exposed_s)
+    assert as_lins.exposed_s["step"] < bucketed.exposed_s["step"] < every.exposed_s["step"] == pytest.approx(every.comm_s["step"])
+    assert bucketed.exposed_s["step"] == pytest.approx(22557696 / 24654848 * bucketed.comm_s["step"], rel=0.05)  # the last bucket's share
 
 
 def test_the_in_run_calibration_scales_the_cores_and_leaves_the_links():
@@ -529,8 +582,9 @@ def test_the_in_run_calibration_scales_the_cores_and_leaves_the_links():
 def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     """Re-predicting a recorded run (the second of 2026-12-02) rebuilds its planner from
     what it recorded: the exact rows get the very predictions the run recorded, but for those whose reductions
-    start inside the node (their cross-node links are exposed whole since the run), DDP's
-    bf16 hook the prediction of its own all-reduce (changed after the run), every pick a
+    start inside the node (their cross-node links are exposed whole since the run) and
+    DDP's (its last gradient bucket does not hide since), DDP's bf16 hook the prediction
+    of its own all-reduce (changed after the run), every pick a
     prediction, and the text marks the rows beyond 20 %. (If the cost model of exact plans
     changes again, this test says so and the docs' figures need the new numbers.)"""
     from lins_dtensor.bench.repredict import main, repredict
@@ -544,8 +598,8 @@ def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     intra_headed = {"p=1,g=4,os=4", "p=1,g=1,os=4"}  # G, or OS, reduce-scattered over the 4 ranks of a node first
     assert intra_headed <= {k[2] for k in rows if k[0] == "lins-planner"}
     for key in [k for k in rows if k[0] in ("lins-planner", "fsdp2", "hsdp", "ddp", "lins-zero1")]:
-        if key[2] in intra_headed:
-            assert rows[key]["predicted_s"] > rows[key]["recorded_s"] * 1.05, key
+        if key[2] in intra_headed or key[0] == "ddp":
+            assert rows[key]["predicted_s"] > rows[key]["recorded_s"] * 1.04, key
         else:
             assert rows[key]["predicted_s"] == pytest.approx(rows[key]["recorded_s"], rel=1e-9), key
     for m in (1, 4):

@@ -55,6 +55,35 @@ def bench_model_spec(size: str) -> ModelSpec:
     return model_from_module(build_model(size), name=f"bench-{size}", ffn_dim=MODEL_SIZES[size].ffn_dim)
 
 
+# torch DistributedDataParallel's default gradient buckets (the benchmark builds DDP with
+# its defaults): the first holds at least 1 MiB (torch.distributed's
+# _DEFAULT_FIRST_BUCKET_BYTES), the others 25 MiB (bucket_cap_mb).
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+DDP_BUCKET_BYTES = 25 << 20
+
+
+def ddp_buckets(spec: ModelSpec, grad_bytes: int) -> list[tuple[int, set[int]]]:
+    """DDP's gradient buckets for ``spec``, in the order they are all-reduced: (bytes,
+    indices of the units with a gradient in it). DDP rebuilds its buckets after the first
+    step in the order the gradients became ready, about the reverse of the parameters'
+    (taken as exactly that here), filling each until a gradient brings it to its cap,
+    as torch's reducer does (``compute_bucket_assignment_by_size``). A bucket's
+    all-reduce waits for all of its gradients, so the last one, which holds the first
+    unit, has no backward left to hide behind."""
+    buckets: list[tuple[int, set[int]]] = []
+    size, units = 0, set()
+    for index, unit in reversed(list(enumerate(spec.unit_shapes()))):
+        for shape in reversed(unit):
+            size += math.prod(shape) * grad_bytes
+            units.add(index)
+            if size >= (DDP_FIRST_BUCKET_BYTES if not buckets else DDP_BUCKET_BYTES):
+                buckets.append((size, units))
+                size, units = 0, set()
+    if units:
+        buckets.append((size, units))
+    return buckets
+
+
 def calibrated_hardware(calib: dict, ranks_per_node: int) -> HardwareSpec:
     """The ``cpu-emulated`` preset with the rates :func:`~.measure.calibrate` measured."""
     return dataclasses.replace(
@@ -171,8 +200,9 @@ class Planning:
         """The planner's cost of ``eq.plan`` as run by the strategy ``eq`` describes:
         stock HSDP has FSDP2 all-reduce (``fsdp2_reductions``), on every micro-batch but the
         last too (``extra_all_reduce``); DDP has neither FSDP2's nor Lins' host time per
-        unit and copies (``fsdp_hooks=False``; its own bucket copies are not modelled); DDP's
-        bf16 hook all-reduces cast values (``cast_reduce_bytes``)."""
+        unit and copies (``fsdp_hooks=False``; its own bucket copies are not modelled), and
+        its last gradient bucket's all-reduce has no compute to hide behind (``bucketed``,
+        :func:`ddp_buckets`); DDP's bf16 hook all-reduces cast values (``cast_reduce_bytes``)."""
         world, rpn = self.ranks.world, self.ranks.per_node
         plan, formats = LinsPlan.parse(eq.plan, world), CommFormats.parse(eq.formats)
         cluster, training = self.cluster(None), self.training(microbatches, overlap)
@@ -180,6 +210,8 @@ class Planning:
             bare = dataclasses.replace(cluster.hardware, unit_overhead_s=0.0, replicated_unit_overhead_s=0.0, copy_bw=math.inf)
             cluster = dataclasses.replace(cluster, hardware=bare)
         timer = CollectiveTimer(cluster.hardware, rpn, self.table)
+        # DDP buckets the parameters' own gradients (a hook casts a bucket only once it is full).
+        final_units = max(ddp_buckets(self.spec, training.param_bytes)[-1][1]) + 1 if eq.bucketed else 1
         extra = []
         if eq.extra_all_reduce and microbatches > 1:
             once = step_collectives(
@@ -194,7 +226,8 @@ class Planning:
             # at the bf16 format's measured encode/decode rate (the same kernels: a rounding cast).
             training, formats = dataclasses.replace(training, reduce_bytes=eq.cast_reduce_bytes), CommFormats()
             cast_s = 2 * self.spec.num_params * cluster.hardware.codec_seconds("bf16")
-        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions, formats=formats)
+        cost = evaluate(plan, self.spec, cluster, training, timer, extra_backward=extra, fsdp2_reductions=eq.fsdp2_reductions,
+                        formats=formats, final_chain_units=final_units)
         step_s, exposed, comm = cost.step_s + cast_s, cost.exposed_s, cost.comm_s
         compute = {**cost.compute_s, "backward": cost.compute_s["backward"] + cast_s}
         inter_nic, intra = cost.link_bytes("inter"), cost.link_bytes("intra")

@@ -358,10 +358,13 @@ class Equivalent(NamedTuple):
     # the bytes per value on the wire, costed as an exact all-reduce of that dtype plus
     # the cast of every gradient value down and back. None: ``formats`` as Lins runs them.
     cast_reduce_bytes: int | None = None
+    # torch DDP: the step's all-reduce goes out per gradient bucket of DDP's default
+    # sizes, each once all of its gradients are ready (planning.ddp_buckets).
+    bucketed: bool = False
 
 
-DDP_NOTE = ("Lins ddp without per-unit host time and copies (one all-reduce per step, overlapped with the last "
-            "backward as DDP's buckets are)")
+DDP_NOTE = ("Lins ddp without per-unit host time and copies (one all-reduce per step, in DDP's default gradient "
+            "buckets: each overlaps the rest of the last backward, the last bucket nothing)")
 
 
 def equivalent_plan(strategy: str, rpn: int, plan: str | None = None, formats: str = "exact") -> Equivalent:
@@ -375,13 +378,13 @@ def equivalent_plan(strategy: str, rpn: int, plan: str | None = None, formats: s
         "hsdp": Equivalent(f"hsdp:{rpn}", True, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, on every micro-batch", True),
         "hsdp-deferred": Equivalent(f"hsdp:{rpn}", False, True, f"costed as hsdp:{rpn} with FSDP2's all-reduce, last micro-batch only", True),
         "hpz": Equivalent(f"hpz:{rpn}", False, True, f"costed as hpz:{rpn}"),
-        "ddp": Equivalent("ddp", False, False, "costed as " + DDP_NOTE),
+        "ddp": Equivalent("ddp", False, False, "costed as " + DDP_NOTE, bucketed=True),
         "ddp-bf16-hook": Equivalent("ddp", False, False, DDP_NOTE + ", its gradients cast to bf16 and all-reduced as they are "
                                     "(2 bytes per value, no all-to-all), then cast back",
-                                    formats=formats_text(strategy_formats("ddp-bf16-hook")), cast_reduce_bytes=2),
+                                    formats=formats_text(strategy_formats("ddp-bf16-hook")), cast_reduce_bytes=2, bucketed=True),
         "ddp-powersgd": Equivalent("ddp", False, False, DDP_NOTE + f", its gradients sent as PowerSGD's rank-{POWERSGD_RANK} "
                                    "P and Q (1-D weights as they are)",
-                                   formats=formats_text(strategy_formats("ddp-powersgd")),
+                                   formats=formats_text(strategy_formats("ddp-powersgd")), bucketed=True,
                                    not_costed="not costed: PowerSGD's low-rank compression (and its compute) is not in the planner's model"),
         "lins-fsdp": Equivalent("fsdp", False, True, ""),
         "lins-zero1": Equivalent("zero1", False, True, ""),

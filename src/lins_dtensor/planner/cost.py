@@ -145,6 +145,7 @@ def evaluate(
     extra_backward: Sequence[CollectiveRecord] = (),
     fsdp2_reductions: bool = False,
     formats: CommFormats = CommFormats(),
+    final_chain_units: int = 1,
 ) -> PlanCost:
     """Predict memory and step time of ``plan`` (assumed valid for the cluster) with
     Lins' collectives in the wire ``formats``: their encoded collectives, the encode and
@@ -154,8 +155,12 @@ def evaluate(
 
     For the benchmark's costing of other runtimes with a plan's collectives:
     ``extra_backward`` adds collectives another runtime issues in backward (stock HSDP's
-    all-reduce of micro-batches 1..M-1), and ``fsdp2_reductions`` has FSDP2 issue the
-    step reductions in the last backward (stock HSDP's all-reduce) instead of Lins."""
+    all-reduce of micro-batches 1..M-1), ``fsdp2_reductions`` has FSDP2 issue the
+    step reductions in the last backward (stock HSDP's all-reduce) instead of Lins, and
+    ``final_chain_units`` is how many leading units' step reductions start only once the
+    backward is done, with no compute left to hide behind: Lins issues each unit's as its
+    gradient is final, so only the first unit's (1); torch DDP issues a gradient bucket's
+    when all of it is, so every unit its last bucket holds."""
     timer = timer or CollectiveTimer(cluster.hardware, cluster.gpus_per_node, cluster.bandwidth)  # type: ignore[arg-type]
     hw = cluster.hardware
     m = training.microbatches(cluster.dp_ranks)
@@ -216,7 +221,8 @@ def evaluate(
     # emulated cluster: counting it as room predicted a fifth of int8's exposed time).
     room = {phase: seconds - codec_s.get(phase, 0.0) for phase, seconds in compute.items()}
     exposed, exposed_state = _exposed(records, record_s, record_phase, issuer, room, m, training,
-                                      _first_unit_chains(collectives, seconds, units, hw.intra_comm_hides), hw.intra_comm_hides)
+                                      _first_unit_chains(collectives, seconds, units[:final_chain_units], hw.intra_comm_hides),
+                                      hw.intra_comm_hides)
     for phase, seconds_tp in tensor_parallel_seconds(model, cluster, training, timer, m).items():
         comm[phase] += seconds_tp
         exposed[phase] += seconds_tp
@@ -270,15 +276,15 @@ def _can_hide(record: CollectiveRecord, intra_hides: bool) -> bool:
     return record.link != "intra" and not (record.op is Op.ALL_TO_ALL and record.group_size > record.nodes)
 
 
-def _first_unit_chains(collectives, seconds, units, intra_hides: bool) -> tuple[float, float]:
-    """Seconds of the first unit's step reductions and of its update gathers: its
-    gradient is the last one backward produces and its parameters the first forward
-    needs, so neither has compute to hide behind (the intra-node ones, where they
-    cannot hide at all, are charged in full already)."""
-    if not units:
+def _first_unit_chains(collectives, seconds, first_units, intra_hides: bool) -> tuple[float, float]:
+    """Seconds of the step reductions and of the update gathers of ``first_units`` (Lins:
+    the first unit alone): its gradient is the last one backward produces and its
+    parameters the first forward needs, so neither has compute to hide behind (the
+    intra-node ones, where they cannot hide at all, are charged in full already)."""
+    if not first_units:
         return 0.0, 0.0
     reduce_s = gather_s = 0.0
-    for r in collectives(units[:1], 1, False):
+    for r in collectives(first_units, 1, False):
         if PHASE_OF[r.name] == Phase.STEP.value and _can_hide(r, intra_hides):
             if r.name in UPDATE_GATHERS:
                 gather_s += seconds(r)
