@@ -605,6 +605,9 @@ def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     for m in (1, 4):
         hook = rows[("ddp-bf16-hook", m, "ddp")]
         assert hook["predicted_s"] < hook["recorded_s"] and hook["error"] == pytest.approx(hook["predicted_s"] / hook["measured_s"] - 1)
+    # With no time across the nodes no row is slower, and FSDP (all its traffic spans the nodes) far faster.
+    assert all(r["no_cross_node_s"] <= r["predicted_s"] * (1 + 1e-9) for r in out["rows"])
+    assert rows[("fsdp2", 4, "fsdp")]["no_cross_node_s"] < 0.5 * rows[("fsdp2", 4, "fsdp")]["predicted_s"]
     assert {p["strategy"] for p in out["picks"]} == {"lins-planner", "lins-planner-compressed", "lins-bf16", "lins-int8"}
     assert all(p["predicted_s"] > 0 for p in out["picks"])
     assert out["summary"]["M=4"]["rows"] == sum(1 for r in out["rows"] if r["microbatches"] == 4)

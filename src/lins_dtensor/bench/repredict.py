@@ -8,11 +8,16 @@ table, the model and batch shape. Costing its rows again with the current planne
 what a change to the cost model does to every row's prediction error, and to the
 planner's picks, without a 25-minute benchmark run. The measurements do not change: a
 pick the run did not measure has no measured time, and the table says so.
+
+Each row also gets its prediction with every collective that spans nodes taking no time
+(:func:`without_cross_node_time`): the floor below which no wire format, nor a faster
+network, can take that plan on this emulation.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,6 +28,7 @@ from lins_dtensor.bench.strategies import FORMAT_STRATEGIES, equivalent_plan
 from lins_dtensor.planner import BandwidthTable
 
 PREDICTION_TOLERANCE = 0.2  # the benchmark's bar for a row's prediction (docs/benchmark.md)
+FREE_S = 1e-12  # a collective across nodes once the links between nodes are taken away (the table interpolates logs)
 
 
 def planning_of_run(run_dir: str | Path) -> tuple[Planning, dict]:
@@ -41,13 +47,25 @@ def planning_of_run(run_dir: str | Path) -> tuple[Planning, dict]:
     return planning, result
 
 
+def without_cross_node_time(planning: Planning) -> Planning:
+    """``planning`` with every collective whose group spans nodes timed at (almost) 0 s:
+    what is left of a prediction is the compute, the codec work and the traffic inside the
+    nodes. (The benchmark's profile measures every shape the plans need, so no collective
+    falls back to the alpha-beta model, which this does not change.)"""
+    table = planning.table
+    entries = {shape: [(size, FREE_S if shape[2] > 1 else seconds) for size, seconds in points] for shape, points in table.entries.items()}
+    return dataclasses.replace(planning, table=BandwidthTable(table.ranks_per_node, entries, table.meta))
+
+
 def repredict(run_dir: str | Path) -> dict:
     """Every costed row's measured median, recorded prediction and today's, with both
-    errors (and today's with the run's in-run calibration, where it has one); per M the
+    errors (and today's with the run's in-run calibration, where it has one, and with no
+    time across the nodes, ``no_cross_node_s``); per M the
     mean |error| of each and the rows beyond :data:`PREDICTION_TOLERANCE`; and
     each planner strategy's pick then and now (with the run's measured median of the
     pick now, where the run measured that plan in those formats at that M)."""
     planning, result = planning_of_run(run_dir)
+    free = without_cross_node_time(planning)
     in_run = {int(m.removeprefix("M=")): planning.in_run(c["slowdown"])
               for m, c in result["meta"].get("in_run_calibration", {}).items()}
     rows, measured = [], {}
@@ -63,6 +81,7 @@ def repredict(run_dir: str | Path) -> dict:
             "strategy": r["strategy"], "microbatches": r["microbatches"], "plan": recorded["plan"], "formats": recorded["formats"],
             "measured_s": median, "recorded_s": recorded["step_s"], "predicted_s": now,
             "recorded_error": recorded["step_s"] / median - 1, "error": now / median - 1,
+            "no_cross_node_s": free.predict(r["microbatches"], eq)["step_s"],
         }
         if r["microbatches"] in in_run:
             row["in_run_s"] = in_run[r["microbatches"]].predict(r["microbatches"], eq)["step_s"]
@@ -97,12 +116,14 @@ def repredict(run_dir: str | Path) -> dict:
 
 
 def _text(out: dict) -> str:
-    lines = ["strategy                 M  plan            formats                        measured  recorded (err)    now (err)"]
+    lines = ["strategy                 M  plan            formats                        measured  recorded (err)    now (err)"
+             "  no cross-node time"]
     for r in out["rows"]:
         mark = "  <- beyond 20 %" if abs(r["error"]) > PREDICTION_TOLERANCE else ""
         in_run = f"  in-run {r['in_run_s']:6.3f} ({r['in_run_error']:+.2f})" if "in_run_s" in r else ""
         lines.append(f"{r['strategy']:24s} {r['microbatches']:<2d} {r['plan']:15s} {r['formats'][:30]:30s} {r['measured_s']:8.3f}  "
-                     f"{r['recorded_s']:6.3f} ({r['recorded_error']:+.2f})  {r['predicted_s']:6.3f} ({r['error']:+.2f}){in_run}{mark}")
+                     f"{r['recorded_s']:6.3f} ({r['recorded_error']:+.2f})  {r['predicted_s']:6.3f} ({r['error']:+.2f})"
+                     f"  {r['no_cross_node_s']:6.3f}{in_run}{mark}")
     for m, s in out["summary"].items():
         in_run = (f"; in-run calibration: mean |error| {s['in_run_mean_abs_error']:.3f}, {s['in_run_beyond_tolerance']} beyond 20 %"
                   if "in_run_mean_abs_error" in s else "")
