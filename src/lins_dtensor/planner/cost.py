@@ -278,7 +278,7 @@ def _can_hide(record: CollectiveRecord, intra_hides: bool) -> bool:
 
 def _first_unit_chains(collectives, seconds, first_units, intra_hides: bool) -> tuple[float, float]:
     """Seconds of the step reductions and of the update gathers of ``first_units`` (Lins:
-    the first unit alone): its gradient is the last one backward produces and its
+    the first unit alone): their gradients are the last ones backward produces and their
     parameters the first forward needs, so neither has compute to hide behind (the
     intra-node ones, where they cannot hide at all, are charged in full already)."""
     if not first_units:
