@@ -102,6 +102,9 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert in_run["link_slowdown"] == pytest.approx(in_run["all_reduce_s"] / calib["overlap_probe"]["all_reduce_s"])
     assert all(r["predicted"]["step_s_in_run"] > 0 for r in result["strategies"])
     assert "In-run calibration" in (out / "cluster.md").read_text()
+    # The floor with no time across the nodes: below every prediction, and in the table.
+    assert all(0 < r["predicted"]["step_s_no_cross_node"] <= r["predicted"]["step_s"] * (1 + 1e-9) for r in result["strategies"])
+    assert "no cross-node time s" in (out / "cluster.md").read_text() and "no_cross_node" in meta["methods"]
     # The planner's picks with int8 allowed: measured with their formats, costed with them.
     int8_picks = {(c["plan"], c["formats"]) for c in meta["planner_compressed"] if c["strategy"] == "lins-int8" and c["plan"]}
     lossy = [r for r in result["strategies"] if r["strategy"] == "lins-int8"]

@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     run_overlap = Overlap(args.overlap_fraction, lins_overlap)
     reference_overlap = Overlap(args.reference_overlap_fraction, args.reference_overlap_fraction)
     planning = Planning(spec, hw, BandwidthTable.load(args.bandwidth), ranks, args, run_overlap, reference_overlap)
+    no_cross_node = planning.without_cross_node_time()
     budgets = [None] + ([args.memory_budget_gib] if args.memory_budget_gib else [])
     choices = planning.choose_all(budgets, with_reference=not args.skip_reference_plan, strategies=args.strategies)
 
@@ -190,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(make_row(
                     row, measured=result, per_rank=per_rank,
                     reused=any(r["microbatches"] == m and r["instance"] == row.instance for r in rows),
-                    predicted={**planning.predict(m, eq), "step_s_in_run": in_run_planning.predict(m, eq)["step_s"], "note": eq.note},
+                    predicted={**planning.predict(m, eq), "step_s_in_run": in_run_planning.predict(m, eq)["step_s"],
+                               "step_s_no_cross_node": no_cross_node.predict(m, eq)["step_s"], "note": eq.note},
                     tokens_per_step=ranks.world * m * args.batch_size * args.seq_len, budgets_gib=budgets,
                     link_rate=args.link_rate, ranks_per_node=ranks.per_node,
                 ))

@@ -65,6 +65,9 @@ METHODS = {
                  "while it computed (hidden), by state",
     "link_floor": "the step time if every collective hid behind compute: max(predicted compute, the node link's time for "
                   "the inter-node bytes of all its ranks at the link rate)",
+    "no_cross_node": "predicted.step_s_no_cross_node: the run's prediction with every collective whose group spans nodes "
+                     "taking no time (compute, codec work and the traffic inside the nodes remain): the floor no wire format, "
+                     "nor a faster network, can take the strategy below",
     "fits": "the planner's predicted peak per-rank memory for the strategy (model states + activations + buffers) <= budget; "
             "null where the planner has no prediction (not counted as fitting in the comparisons)",
     "formats": "the wire format of each state's collectives on each link level (inter-node, intra-node): 'exact' (fp32 "
@@ -397,6 +400,11 @@ def _floor(r: dict) -> str:
     return "-" if not f else f"{f['floor_s']:.2f}"
 
 
+def _no_cross_node(r: dict) -> str:
+    step = r["predicted"].get("step_s_no_cross_node")
+    return "-" if step is None else f"{step:.2f}"
+
+
 def _predicted(r: dict, suffix: str) -> str:
     step = r["predicted"].get("step_s" + suffix)
     return "not costed" if step is None else f"{step:.2f} ({r['prediction_error' + suffix]:+.0%})"
@@ -454,7 +462,9 @@ def markdown(result: dict) -> str:
     ref = f"{meta['reference_overlap_fraction']:g}"
     budget_cols = [k for k in result["strategies"][0]["fits"] if k != "unlimited"] if result["strategies"] else []
     in_run = any(r["predicted"].get("step_s_in_run") is not None for r in result["strategies"])
-    head = ("| M | strategy | plan | wire formats | step s median [min, max] | link floor s | Lins comm exposed / hidden s | tokens/s | "
+    no_cross = any(r["predicted"].get("step_s_no_cross_node") is not None for r in result["strategies"])
+    head = ("| M | strategy | plan | wire formats | step s median [min, max] | link floor s |"
+            + (" no cross-node time s |" if no_cross else "") + " Lins comm exposed / hidden s | tokens/s | "
             "peak RSS delta MiB (max rank) | model states MiB | inter-node MB/rank msg (NIC) | intra-node MB/rank msg | "
             f"predicted s, overlap {ov} (error) | predicted s, overlap {ref} (error) |"
             + (" predicted s, in-run calibration (error) |" if in_run else "") + "".join(f" fits {b} |" for b in budget_cols))
@@ -464,7 +474,8 @@ def markdown(result: dict) -> str:
         fits = "".join(f" {_fits(r['fits'][k])} |" for k in budget_cols)
         lines.append(
             f"| {r['microbatches']} | {r['label']} | {r['plan'] or '-'} | {_formats(r)} | {t['median']:.3f} [{t['min']:.3f}, {t['max']:.3f}] | "
-            f"{_floor(r)} | {_comm(r)} | {r['tokens_per_s']:.0f} | {_mib(pm['rss_delta_max_bytes'])} | "
+            f"{_floor(r)} |" + (f" {_no_cross_node(r)} |" if no_cross else "") + f" {_comm(r)} | {r['tokens_per_s']:.0f} | "
+            f"{_mib(pm['rss_delta_max_bytes'])} | "
             f"{_mib(pm['model_state_bytes_max'])} | {_mb(b['inter_message_bytes'])} ({_mb(b['inter_nic_bytes'])}) | "
             f"{_mb(b['intra_message_bytes'])} | {_predicted(r, '')} | {_predicted(r, '_reference')} |"
             + (f" {_predicted(r, '_in_run')} |" if in_run else "") + fits

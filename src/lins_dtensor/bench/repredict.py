@@ -10,14 +10,13 @@ planner's picks, without a 25-minute benchmark run. The measurements do not chan
 pick the run did not measure has no measured time, and the table says so.
 
 Each row also gets its prediction with every collective that spans nodes taking no time
-(:func:`without_cross_node_time`): the floor below which no wire format, nor a faster
-network, can take that plan on this emulation.
+(``Planning.without_cross_node_time``): the floor below which no wire format, nor a
+faster network, can take that plan on this emulation.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,6 @@ from lins_dtensor.bench.strategies import FORMAT_STRATEGIES, equivalent_plan
 from lins_dtensor.planner import BandwidthTable
 
 PREDICTION_TOLERANCE = 0.2  # the benchmark's bar for a row's prediction (docs/benchmark.md)
-FREE_S = 1e-12  # a collective across nodes once the links between nodes are taken away (the table interpolates logs)
 
 
 def planning_of_run(run_dir: str | Path) -> tuple[Planning, dict]:
@@ -47,16 +45,6 @@ def planning_of_run(run_dir: str | Path) -> tuple[Planning, dict]:
     return planning, result
 
 
-def without_cross_node_time(planning: Planning) -> Planning:
-    """``planning`` with every collective whose group spans nodes timed at (almost) 0 s:
-    what is left of a prediction is the compute, the codec work and the traffic inside the
-    nodes. (The benchmark's profile measures every shape the plans need, so no collective
-    falls back to the alpha-beta model, which this does not change.)"""
-    table = planning.table
-    entries = {shape: [(size, FREE_S if shape[2] > 1 else seconds) for size, seconds in points] for shape, points in table.entries.items()}
-    return dataclasses.replace(planning, table=BandwidthTable(table.ranks_per_node, entries, table.meta))
-
-
 def repredict(run_dir: str | Path) -> dict:
     """Every costed row's measured median, recorded prediction and today's, with both
     errors (and today's with the run's in-run calibration, where it has one, and with no
@@ -65,7 +53,7 @@ def repredict(run_dir: str | Path) -> dict:
     each planner strategy's pick then and now (with the run's measured median of the
     pick now, where the run measured that plan in those formats at that M)."""
     planning, result = planning_of_run(run_dir)
-    free = without_cross_node_time(planning)
+    free = planning.without_cross_node_time()
     in_run = {int(m.removeprefix("M=")): planning.in_run(c["slowdown"])
               for m, c in result["meta"].get("in_run_calibration", {}).items()}
     rows, measured = [], {}
