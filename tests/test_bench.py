@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from distributed import free_port
 from lins_dtensor import CommFormats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -529,10 +529,7 @@ def test_ddp_buckets_are_torch_ddps_own_and_its_last_bucket_does_not_hide():
     from lins_dtensor.bench.strategies import equivalent_plan
     from lins_dtensor.planner import evaluate, hardware_preset
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = subprocess.run([sys.executable, "-c", _DDP_BUCKETS], env={**os.environ, "PORT": str(port)},
+    out = subprocess.run([sys.executable, "-c", _DDP_BUCKETS], env={**os.environ, "PORT": str(free_port())},
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     torch_sizes = [int(b) for b in out.stdout.strip().splitlines()[-1].split(",")]

@@ -55,10 +55,11 @@ def bench_model_spec(size: str) -> ModelSpec:
     return model_from_module(build_model(size), name=f"bench-{size}", ffn_dim=MODEL_SIZES[size].ffn_dim)
 
 
+FREE_S = 1e-12  # a collective across nodes with the links between nodes taken away (the table interpolates logs)
+
 # torch DistributedDataParallel's default gradient buckets (the benchmark builds DDP with
 # its defaults): the first holds at least 1 MiB (torch.distributed's
 # _DEFAULT_FIRST_BUCKET_BYTES), the others 25 MiB (bucket_cap_mb).
-FREE_S = 1e-12  # a collective across nodes with the links between nodes taken away (the table interpolates logs)
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 DDP_BUCKET_BYTES = 25 << 20
 
