@@ -44,8 +44,10 @@ from lins_dtensor.schedule import (
 class CommTiming:
     """How long one collective took and how much of it was exposed.
 
-    On CPU (gloo) ``seconds`` runs from the call to the completion gloo reports, and
-    ``exposed`` is the host time spent blocked on it. On an accelerator both come from
+    On CPU (gloo) ``seconds`` runs from the call to when the host first saw it
+    completed (the executor polls at every Lins hook, so within one unit's compute of
+    gloo's completion; :class:`Flight` says why not exactly then), and ``exposed`` is
+    the host time spent blocked on it. On an accelerator both come from
     events: on the Lins side stream before the call and after the stream has waited for
     it, and on the consumer's stream when it needed the result; they are read once the
     events have completed (:meth:`resolve`). ``exposed`` is ``None`` where it is not
@@ -276,12 +278,12 @@ class Flight:
 
     def __init__(self, work: dist.Work, spec: CollectiveSpec, timing: CommTiming, stream: CommStream) -> None:
         self.work, self.spec, self.timing, self.stream = work, spec, timing, stream
+        # No Python callback on the work's future: gloo would run it on its own thread,
+        # and one that runs (or is freed) there after the interpreter began to shut down
+        # aborts the process ("terminate called without an active exception": the thread
+        # cannot take the GIL any more). The finish time is when the host sees the work
+        # completed instead (completed(), polled at every Lins hook, or join()).
         self.joined = False
-        if not stream.on_device:
-            try:  # gloo reports completion through the work's future, for most ops
-                work.get_future().add_done_callback(lambda _: timing.mark_finished())
-            except RuntimeError:  # not for all (reduce_scatter_tensor): seen by completed()
-                pass
 
     def completed(self) -> bool:
         """CPU: has gloo finished it, so that what depends on it can start without
