@@ -114,9 +114,12 @@ def train(args: list[str], nproc: int = 4, timeout: int = 600, extra_env: dict |
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--log-dir", logs,
                    "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", "lins_dtensor.train", *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:  # the console shows rank 0 only: add the end of every rank's stderr
-            for path in sorted(glob.glob(f"{logs}/**/stderr.log", recursive=True)):
-                proc.stderr += f"\n--- {Path(path).relative_to(logs)}\n" + "\n".join(Path(path).read_text(errors="replace").splitlines()[-15:])
+        if proc.returncode != 0:  # the console shows rank 0 only: add the end of every rank's output
+            # (stderr: why; stdout, last: the last step it logged, where it stopped)
+            for name, lines in (("stderr.log", 15), ("stdout.log", 5)):
+                for path in sorted(glob.glob(f"{logs}/**/{name}", recursive=True)):
+                    tail = Path(path).read_text(errors="replace").splitlines()[-lines:]
+                    proc.stderr += f"\n--- {Path(path).relative_to(logs)}\n" + "\n".join(tail)
         return proc
 
 
@@ -273,7 +276,7 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
         # A rank that aborts (a gloo enforce, a C++ terminate) says why far above torchrun's
         # summary: keep those lines with the tail.
         causes = [line for line in lines if "what():" in line or "terminate called" in line]
-        tail = "\n".join(causes[:10] + lines[-60:])
+        tail = "\n".join(causes[:10] + lines[-90:])
         raise AssertionError(f"training failed (rc={proc.returncode}):\n{tail}")
     return proc
 
