@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from titan_runs import env
 
 HERE = Path(__file__).resolve().parent
 
@@ -18,11 +19,9 @@ def test_a_job_that_exits_with_update_gathers_in_flight_ends_cleanly():
     running on gloo's threads while the interpreter shuts down. Nothing of Lins may run
     Python there then: a future callback did, and every rank aborted ("terminate called
     without an active exception", exit -6) after a run that had trained correctly."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--tee", "3",
            str(HERE / "exit_scenarios.py"), "p=2,g=4,os=4"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr
     assert "terminate called" not in out and proc.returncode == 0, out[-3000:]
     # The case this checks: the gathers were in flight when each rank began to exit.

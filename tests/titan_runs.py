@@ -40,6 +40,8 @@ def require_torchtitan(release: str) -> None:
 
 
 def env() -> dict[str, str]:
+    """A torchrun launcher's environment: this process's, without its rank variables,
+    offline, one thread per rank, unbuffered output."""
     out = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         out.pop(key, None)
