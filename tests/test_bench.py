@@ -22,6 +22,7 @@ import pytest
 
 from distributed import free_port
 from lins_dtensor import CommFormats
+from lins_dtensor.planner import BandwidthTable
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_cluster.sh"
@@ -100,6 +101,10 @@ def test_bench_cluster_end_to_end(tmp_path):
     assert in_run["samples"] == 1 and in_run["forward_backward_s"] > 0 and in_run["all_reduce_s"] > 0
     assert in_run["slowdown"] == pytest.approx(in_run["forward_backward_s"] / calib["forward_backward_s"])
     assert in_run["link_slowdown"] == pytest.approx(in_run["all_reduce_s"] / calib["overlap_probe"]["all_reduce_s"])
+    # The collectives inside a node against the profile's same calls (1 MiB; this profile stops at 64 KiB: the table scales its largest point).
+    table = BandwidthTable.load(out / "bandwidth.json")
+    assert in_run["intra_node_profiled_s"] == pytest.approx(sum(table.seconds(op, 2, 1, 1 << 20) for op in ("all_gather", "reduce_scatter")))
+    assert in_run["intra_node_s"] > 0 and in_run["intra_node_slowdown"] == pytest.approx(in_run["intra_node_s"] / in_run["intra_node_profiled_s"])
     assert all(r["predicted"]["step_s_in_run"] > 0 for r in result["strategies"])
     assert "In-run calibration" in (out / "cluster.md").read_text()
     # The floor with no time across the nodes: below every prediction, and in the table.
@@ -577,6 +582,35 @@ def test_the_in_run_calibration_scales_the_cores_and_leaves_the_links():
         for phase, seconds in start["compute_s"].items():
             assert slower["compute_s"][phase] == pytest.approx(2 * seconds, rel=1e-9), (eq.plan, phase)
         assert slower["step_s"] > start["step_s"]
+
+
+def test_the_in_run_calibration_scales_the_collectives_inside_a_node_by_their_own_probe():
+    """With the committed run's bandwidth table, ``intra_node_slowdown`` 2 doubles every
+    point of a collective inside a node and leaves those across the nodes; a plan whose
+    step runs collectives inside a node predicts more, and factors of 1 predict the
+    start-up's step exactly."""
+    import argparse
+
+    from lins_dtensor.bench.measure import Ranks
+    from lins_dtensor.bench.planning import Overlap, Planning, bench_model_spec, calibrated_hardware
+    from lins_dtensor.bench.strategies import equivalent_plan
+
+    run = Path(__file__).resolve().parents[1] / "bench" / "results"
+    meta = json.loads((run / "cluster.json").read_text())["meta"]
+    table = BandwidthTable.load(run / "bandwidth.json")
+    args = argparse.Namespace(seq_len=meta["seq_len"], batch_size=meta["batch_size"], microbatches=[1])
+    planning = Planning(bench_model_spec(meta["model"]["size"]), calibrated_hardware(meta["calibration"], 4), table,
+                        Ranks(0, 8, 4), args, Overlap(0.0, 0.9), Overlap(0.8, 0.8))
+    slower = planning.in_run(1.0, 2.0)
+    for (op, r, nodes), points in table.entries.items():
+        for (size, seconds), (size2, scaled) in zip(points, slower.table.entries[(op, r, nodes)]):
+            assert size2 == size and scaled == pytest.approx(seconds * (2.0 if nodes == 1 else 1.0), rel=1e-12), (op, r, nodes)
+    assert {nodes for _, _, nodes in table.entries} == {1, 2}  # both kinds were checked
+    for plan, changes in (("p=1,g=4,os=4", True), ("p=1,g=1,os=8", False)):  # G reduce-scattered inside the node first; or across all 8
+        eq = equivalent_plan("lins-plan", 4, plan)
+        start, same, scaled = (p.predict(1, eq)["step_s"] for p in (planning, planning.in_run(1.0, 1.0), slower))
+        assert same == pytest.approx(start, rel=1e-12)
+        assert (scaled > start * 1.01) if changes else scaled == pytest.approx(start, rel=1e-12), plan
 
 
 def test_repredict_rebuilds_a_recorded_runs_planner(capsys):

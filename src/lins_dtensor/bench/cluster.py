@@ -23,10 +23,12 @@ shared CPUs hits all strategies alike. It records:
   DDP (each of torch's hooks) through a recording process group given to the hook;
 * the planner's prediction for the same strategy (its cost model with the measured
   bandwidth table and a compute rate calibrated on this cluster at start-up), and the
-  same with the in-run calibration: the start-up's plain forward + backward, timed again
-  at the start of every timed round (:class:`~.measure.InRunProbe`, which times the
-  calibration's all-reduce across the nodes there too), scales every rate measured on
-  the cores (:func:`~.planning.scaled_hardware`).
+  same with the in-run calibration (:class:`~.measure.InRunProbe`, at the start of every
+  timed round): the start-up's plain forward + backward, timed again, scales every rate
+  measured on the cores (:func:`~.planning.scaled_hardware`), and the profile's
+  collectives inside a node, timed again, scale the table's entries for them
+  (:meth:`~.planning.Planning.in_run`); the calibration's all-reduce across the nodes
+  is timed there too, and recorded.
 
 Rank 0 writes ``cluster.json``, ``cluster.md`` and ``cluster.png`` into ``--out-dir``.
 
@@ -144,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         f"seq {args.seq_len} x {args.batch_size} per micro-batch, M in {args.microbatches}")
 
     groups = SharedGroups()
-    probe = InRunProbe(args, ranks, groups)
+    table = BandwidthTable.load(args.bandwidth)
+    probe = InRunProbe(args, ranks, groups, table)
     calib = calibrate(args, ranks, probe, groups)
     log(rank, f"calibration: fwd+bwd {calib['forward_backward_s']:.3f} s/micro-batch -> {calib['flops_per_s'] / 1e9:.2f} GFLOP/s per rank; "
         f"AdamW step {calib['optimizer_step_s']:.3f} s; copies {calib['copy_bytes_per_s'] / 1e9:.2f} GB/s; "
@@ -156,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     lins_overlap = calib["lins_overlap_fraction"] if args.lins_overlap_fraction is None else args.lins_overlap_fraction
     run_overlap = Overlap(args.overlap_fraction, lins_overlap)
     reference_overlap = Overlap(args.reference_overlap_fraction, args.reference_overlap_fraction)
-    planning = Planning(spec, hw, BandwidthTable.load(args.bandwidth), ranks, args, run_overlap, reference_overlap)
+    planning = Planning(spec, hw, table, ranks, args, run_overlap, reference_overlap)
     no_cross_node = planning.without_cross_node_time()
     budgets = [None] + ([args.memory_budget_gib] if args.memory_budget_gib else [])
     choices = planning.choose_all(budgets, with_reference=not args.skip_reference_plan, strategies=args.strategies)
@@ -172,13 +175,19 @@ def run(args: argparse.Namespace) -> int:
         results = measure(m, wanted[m], instances, args, rank, probe)
         in_run = probe.take()
         in_run["slowdown"] = in_run["forward_backward_s"] / calib["forward_backward_s"]
-        # Recorded, not used by the predictions: the links are the bandwidth table's.
+        # Recorded, not used by the predictions: the links between nodes are the bandwidth table's.
         in_run["link_slowdown"] = in_run["all_reduce_s"] / calib["overlap_probe"]["all_reduce_s"]
+        # Against the table itself: the profile ran before the start-up, in its own job.
+        if "intra_node_s" in in_run:
+            in_run["intra_node_profiled_s"] = probe.intra_node_profiled_s
+            in_run["intra_node_slowdown"] = in_run["intra_node_s"] / probe.intra_node_profiled_s
+        else:
+            in_run["intra_node_slowdown"] = 1.0
         meta["in_run_calibration"][f"M={m}"] = in_run
-        in_run_planning = planning.in_run(in_run["slowdown"])
+        in_run_planning = planning.in_run(in_run["slowdown"], in_run["intra_node_slowdown"])
         log(rank, f"M={m}: in-run calibration: forward+backward {in_run['forward_backward_s']:.3f} s "
             f"({in_run['slowdown']:.2f}x the start-up's), all-reduce across the nodes {in_run['all_reduce_s']:.3f} s "
-            f"({in_run['link_slowdown']:.2f}x)")
+            f"({in_run['link_slowdown']:.2f}x), collectives inside a node {in_run['intra_node_slowdown']:.2f}x the profile's")
         release_instances(instances, [row for later in args.microbatches[i + 1:] for row in wanted[later]])
         for row in wanted[m]:
             result = results[row.instance]

@@ -26,13 +26,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from lins_dtensor import LinsPlan, apply_lins, build_lins_mesh
 from lins_dtensor.bench.model import MODEL_SIZES, batch, build_model, loss_fn
 from lins_dtensor.formats import FORMATS
+from lins_dtensor.planner.bandwidth import BandwidthTable
 from lins_dtensor.planner.compute import model_flops_per_token
 from lins_dtensor.planner.cost import network_bytes
 from lins_dtensor.planner.memory import rank0_units
 from lins_dtensor.planner.models import model_from_module
+from lins_dtensor.planner.profile import message_numel, time_collective
 from lins_dtensor.runtime import default_units
 from lins_dtensor.schedule import GRAD_REDUCE_SCATTER, CollectiveRecord, UnitSchedule, fsdp2_copy_bytes, local_copy_bytes
 
+# The in-run probe of the collectives inside a node: the ops Lins' plans run there (the
+# parameters' gathers, the gradients' reduce-scatters), at a message size the profile
+# measures (scripts/bench_cluster.sh: 64 KiB to 4 MiB by factors of 4).
+INTRA_NODE_PROBE_OPS = ("all_gather", "reduce_scatter")
+INTRA_NODE_PROBE_BYTES = 1 << 20
 LR = 3e-4  # AdamW's learning rate, for every strategy and the calibration's optimizer step
 # Rounds of the start-up calibration after a warm-up round: each quantity is the slowest
 # rank's median over them (3 rounds once gave a host time per unit of 0 on 2 shared cores).
@@ -272,28 +279,38 @@ def link_bytes(records: Iterable[CollectiveRecord]) -> dict:
 
 # ----- calibration ---------------------------------------------------------------------------------
 class InRunProbe:
-    """Two of the start-up calibration's passes, timed again in every timed round of the
-    benchmark: the plain forward + backward of one micro-batch (the model with no
-    strategy applied) and the all-reduce across the nodes (of the size each rank reduces
-    under os=<node size>), each with all ranks starting together.
+    """Passes of the start-up, timed again in every timed round of the benchmark, all
+    ranks starting together: the plain forward + backward of one micro-batch (the model
+    with no strategy applied), the calibration's all-reduce across the nodes (of the size
+    each rank reduces under os=<node size>), and the profile's all-gather and
+    reduce-scatter over each node's ranks (:data:`INTRA_NODE_PROBE_OPS`, one message of
+    :data:`INTRA_NODE_PROBE_BYTES`, timed as the bandwidth table's points are).
 
-    The start-up calibration measures the cores before any strategy exists; timing the
-    same passes inside the rounds measures how fast the cores compute, and the links
-    carry, while the rows are measured, so that drift of the shared machine and model
-    error can be told apart (:func:`lins_dtensor.bench.planning.scaled_hardware`). Its
-    first run showed no drift where rows ran 16-34 % slow, which led to the cause:
-    idle process groups' wake-ups, which delay chained collectives and not a plain pass
-    (:class:`SharedGroups`).
+    The start-up measures the cores before any strategy exists; timing the same passes
+    inside the rounds measures how fast the cores compute, and the links carry, while
+    the rows are measured, so that drift of the shared machine and model error can be
+    told apart (:meth:`lins_dtensor.bench.planning.Planning.in_run`). Its first run
+    showed no drift where rows ran 16-34 % slow, which led to the cause: idle process
+    groups' wake-ups, which delay chained collectives and not a plain pass
+    (:class:`SharedGroups`). The collectives inside a node run on the same cores, over
+    loopback, and are compared with the bandwidth table, profiled before the start-up.
     """
 
-    def __init__(self, args: argparse.Namespace, ranks: Ranks, groups: SharedGroups) -> None:
+    def __init__(self, args: argparse.Namespace, ranks: Ranks, groups: SharedGroups, table: BandwidthTable) -> None:
         self.model = build_model(args.model)
         self.args, self.rank = args, ranks.rank
         rpn = ranks.per_node
         # Every rank asks for every group (creating one is collective), then keeps its own.
         self.cross = [groups(tuple(local + n * rpn for n in range(ranks.nodes))) for local in range(rpn)][ranks.rank % rpn]
+        self.node = [groups(tuple(range(n * rpn, (n + 1) * rpn))) for n in range(ranks.nodes)][ranks.rank // rpn]
         self.message = torch.zeros(sum(p.numel() for p in self.model.parameters()) // rpn)
-        self.samples: dict[str, list[float]] = {"forward_backward_s": [], "all_reduce_s": []}
+        self.rpn, self.iters = rpn, int(table.meta.get("iters", 3))
+        self.intra_numel = message_numel(INTRA_NODE_PROBE_BYTES, 4, rpn)
+        # The same calls as the table has them (None where it lacks the shape, or a node has one rank).
+        profiled = [table.seconds(op, rpn, 1, self.intra_numel * 4) for op in INTRA_NODE_PROBE_OPS] if rpn > 1 else [None]
+        self.intra_node_profiled_s = None if None in profiled else sum(profiled)
+        keys = ["forward_backward_s", "all_reduce_s"] + (["intra_node_s"] if self.intra_node_profiled_s else [])
+        self.samples: dict[str, list[float]] = {k: [] for k in keys}
 
     def forward_backward(self, i: int) -> None:
         ma = MODEL_SIZES[self.args.model]
@@ -302,8 +319,13 @@ class InRunProbe:
     def all_reduce(self) -> None:
         dist.all_reduce(self.message, group=self.cross)
 
+    def intra_node(self) -> float:
+        """Seconds of the intra-node probe's calls, timed as :func:`time_collective` times the table's."""
+        return sum(time_collective(op, self.node, self.rpn, self.intra_numel, torch.float32, torch.device("cpu"), self.iters)
+                   for op in INTRA_NODE_PROBE_OPS)
+
     def sample(self) -> None:
-        """One timed pass of each, all ranks starting together (as in the calibration)."""
+        """One timed pass of each, all ranks starting together (as at start-up)."""
         for key, work in (("forward_backward_s", lambda: self.forward_backward(len(self.samples["forward_backward_s"]))),
                           ("all_reduce_s", self.all_reduce)):
             dist.barrier()
@@ -311,6 +333,8 @@ class InRunProbe:
             work()
             self.samples[key].append(time.perf_counter() - t0)
         self.model.zero_grad(set_to_none=True)
+        if "intra_node_s" in self.samples:
+            self.samples["intra_node_s"].append(self.intra_node())
 
     def take(self) -> dict:
         """Of each pass, the slowest rank's median of its samples since the last call (a

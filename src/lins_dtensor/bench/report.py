@@ -55,7 +55,8 @@ METHODS = {
                  "model (FSDP2 0: it blocks on its collectives on CPU; Lins as calibrated) and with a reference one (0.8 "
                  "for both, the planner's GPU default), and with the run's overlap model on the in-run calibration "
                  "(step_s_in_run: every rate measured on the cores scaled by the forward+backward of the timed rounds "
-                 "over the start-up's, meta.in_run_calibration); other strategies are costed as the Lins plan with the same "
+                 "over the start-up's, and the table's collectives inside a node by the same calls timed in the rounds "
+                 "over the table's, meta.in_run_calibration); other strategies are costed as the Lins plan with the same "
                  "collectives, issued the way that strategy issues them. Strategies the planner cannot cost have no "
                  "prediction (predicted.not_costed says why: PowerSGD's compression is not in its model): they have no "
                  "prediction error or link floor, their fit is unknown (null), "
@@ -411,12 +412,15 @@ def _predicted(r: dict, suffix: str) -> str:
 
 
 def _in_run_text(in_run: dict) -> str:
-    """The in-run calibration of each M, against the start-up's."""
+    """The in-run calibration of each M, against the start-up's (and the profile's)."""
     per_m = "; ".join(f"{m}: forward+backward {c['forward_backward_s']:.3f} s ({c['slowdown']:.2f}x), all-reduce across the nodes "
-                      f"{c['all_reduce_s']:.3f} s ({c['link_slowdown']:.2f}x)" for m, c in in_run.items())
+                      f"{c['all_reduce_s']:.3f} s ({c['link_slowdown']:.2f}x)"
+                      + (f", all-gather + reduce-scatter inside a node {c['intra_node_s'] * 1e3:.1f} ms ({c['intra_node_slowdown']:.2f}x "
+                         "the bandwidth table's)" if "intra_node_s" in c else "") for m, c in in_run.items())
     return (f"In-run calibration (the same passes at the start of each of the timed rounds, slowest rank's median; x the "
             f"start-up's): {per_m}. The in-run predictions scale every rate measured on the cores (compute, optimizer, copies, "
-            "host time, codecs) by the forward+backward's factor; the links stay as profiled.")
+            "host time, codecs) by the forward+backward's factor and the bandwidth table's collectives inside a node by "
+            "theirs; the links between nodes stay as profiled.")
 
 
 def _fits(fits: bool | None) -> str:

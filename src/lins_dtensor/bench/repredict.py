@@ -54,7 +54,7 @@ def repredict(run_dir: str | Path) -> dict:
     pick now, where the run measured that plan in those formats at that M)."""
     planning, result = planning_of_run(run_dir)
     free = planning.without_cross_node_time()
-    in_run = {int(m.removeprefix("M=")): planning.in_run(c["slowdown"])
+    in_run = {int(m.removeprefix("M=")): planning.in_run(c["slowdown"], c.get("intra_node_slowdown", 1.0))
               for m, c in result["meta"].get("in_run_calibration", {}).items()}
     rows, measured = [], {}
     for r in result["strategies"]:

@@ -117,8 +117,8 @@ def profile_bandwidth(
             group, n = groups_by_shape[(r, m)], r * m
             points = []
             for nbytes in sizes:
-                numel = max(n, (nbytes // elem) // n * n)  # the message: AG output / RS and all-to-all input / AR tensor
-                points.append((float(numel * elem), _time_collective(op, group, n, numel, dtype, device, iters)))
+                numel = message_numel(nbytes, elem, n)
+                points.append((float(numel * elem), time_collective(op, group, n, numel, dtype, device, iters)))
             by_round[(op, r, m)].append(points)
     entries = {shape: monotone(median_over_rounds(rounds_)) for shape, rounds_ in by_round.items()}
     spread = max(max(times) / min(times) for rounds_ in by_round.values() for _, times in _times_by_size(rounds_))
@@ -136,8 +136,18 @@ def _times_by_size(rounds: list[list[tuple[float, float]]]) -> list[tuple[float,
     return [(points[0][0], [seconds for _, seconds in points]) for points in zip(*rounds)]
 
 
-def _time_collective(op: str, group, n: int, numel: int, dtype: torch.dtype, device: torch.device, iters: int) -> float:
-    """The slowest rank's mean seconds per call of ``op`` on ``numel`` values over ``n`` ranks."""
+def message_numel(nbytes: int, element_bytes: int, n: int) -> int:
+    """The values of a profiled message of about ``nbytes`` over ``n`` ranks (the
+    all-gather's output, the reduce-scatter's and all-to-all's input, the all-reduce's
+    tensor): a multiple of ``n``, at least one value per rank."""
+    return max(n, (nbytes // element_bytes) // n * n)
+
+
+def time_collective(op: str, group, n: int, numel: int, dtype: torch.dtype, device: torch.device, iters: int) -> float:
+    """The slowest rank's mean seconds per call of ``op`` on ``numel`` values over ``n``
+    ranks, after a warm-up call and a barrier (a collective over the default group: every
+    rank calls it). The bandwidth table's points, and the benchmark's in-run probe of the
+    collectives inside a node, which is compared with them."""
     big = torch.ones(numel, dtype=dtype, device=device)
     small = torch.ones(numel // n, dtype=dtype, device=device)
     if op == "all_gather":
