@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -669,3 +670,40 @@ def test_a_chosen_plan_can_be_measured_in_chosen_wire_formats(capsys):
         parse_args([*base, "--strategies", "lins:p=1,g=4,os=8|grads=int3"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--strategies lins:p=1,g=4,os=8|grads=int3" in err and "int3" in err
+
+
+def test_targets_pool_recorded_runs_by_round():
+    """Pooling two recorded runs: each run's ratio of medians is the one its comparisons
+    reported, a per-round ratio pairs the two rows' steps of the same round, and the
+    verdict follows the bootstrap interval; a run that measured a target alone decides
+    nothing it did not measure."""
+    from lins_dtensor.bench.targets import main, pool, pooled_interval, run_ratios, verdict
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    runs = [results, results / "no-callback-2-2026-12-03"]
+    for run in runs:
+        recorded = json.loads((run / "cluster.json").read_text())
+        ratios = run_ratios(run)
+        assert {(m, b, k) for m, b, k in ratios} == {(m, b, k) for m in (1, 4) for b, k in
+                                                    (("unlimited", "exact"), ("unlimited", "ddp-bf16-hook"), ("0.0625 GiB", "exact"))}
+        for (m, budget, kind), ratio in ratios.items():
+            label = f"Lins planner, lossy formats [{budget}]"
+            entry = recorded["comparisons"][f"M={m}"][label]
+            key = "speedup_vs_fastest_exact_same_memory" if kind == "exact" else "speedup_vs_ddp_bf16_hook"
+            assert ratio.of_medians == pytest.approx(entry[key], rel=1e-12)
+            mine = next(r for r in recorded["strategies"] if r["microbatches"] == m and r["label"] == label)["step_time_s"]["samples"]
+            assert len(ratio.per_round) == len(mine) == 5
+            theirs = [t * s for t, s in zip(ratio.per_round, mine)]
+            assert statistics.median(theirs) == pytest.approx(entry["median_s"] * entry[key], rel=1e-9)
+    pooled = {(t["microbatches"], t["budget"], t["versus"]): t for t in pool(runs)}
+    committed = pooled[(1, "unlimited", "exact")]
+    assert committed["runs"] == 2 and committed["rounds"] == 10 and committed["target"] == 1.4
+    low, high = committed["interval"]
+    assert low <= committed["pooled_median"] <= high and committed["verdict"] == verdict(low, high, 1.4)
+    assert pooled[(4, "unlimited", "ddp-bf16-hook")]["target"] == 1.15 and pooled[(4, "0.0625 GiB", "exact")]["target"] == 1.2
+    # The interval and the verdict themselves.
+    assert pooled_interval([(2.0,) * 5] * 3) == (2.0, 2.0, 2.0) and verdict(2.0, 2.0, 1.4) == "met"
+    assert verdict(1.0, 1.3, 1.4) == "missed" and verdict(1.3, 1.5, 1.4) == "undecided"
+    spread = pooled_interval([(1.0, 1.2, 1.4, 1.6, 1.8), (1.1, 1.3, 1.5, 1.7, 1.9)])
+    assert spread[1] < spread[0] < spread[2] and spread[0] == pytest.approx(1.45)
+    assert main([str(r) for r in runs]) == 0
