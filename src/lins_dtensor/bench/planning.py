@@ -193,7 +193,7 @@ class Planning:
         forward+backward, and one run's profile timed them 1.1-2.5x the committed run's
         where its forward+backward was 1.18x. The links between nodes stay as profiled
         (a rate limit, not the cores: the in-run all-reduce across them came out within
-        9 % of the start-up's in every run)."""
+        12 % of the start-up's in every run)."""
         planning = dataclasses.replace(self, hardware=scaled_hardware(self.hardware, slowdown))
         return planning if self.table is None else planning._with_table_times(lambda shape, s: s * intra_node_slowdown if shape[2] == 1 else s)
 
