@@ -18,6 +18,9 @@
 #   --profile-max-size S  largest message of the bandwidth profile (4MiB)      [BENCH_PROFILE_MAX]
 #   --profile-iters K     calls per profiled point and round (3)               [BENCH_PROFILE_ITERS]
 #   --profile-rounds R    rounds over all points; each keeps its median (5)    [BENCH_PROFILE_ROUNDS]
+#   --run NAME            cluster: profile, then the benchmark (default);
+#                         timeline: one Lins plan's step, collective by collective
+#                         (python -m lins_dtensor.bench.timeline; no profile)   [BENCH_RUN]
 # Everything after `--` goes to the benchmark module, e.g.
 #   -- --model tiny --strategies fsdp2 --microbatches 1 --warmup 0 --steps 1
 #   -- --memory-budget-gib 0.25 (per-rank budget the planner must respect)
@@ -47,6 +50,7 @@ TAG="${BENCH_TAG:-lb$$}"
 PROFILE_MAX="${BENCH_PROFILE_MAX:-4MiB}"
 PROFILE_ITERS="${BENCH_PROFILE_ITERS:-3}"
 PROFILE_ROUNDS="${BENCH_PROFILE_ROUNDS:-5}"
+RUN="${BENCH_RUN:-cluster}"
 BENCH_ARGS=()
 
 die() { echo "bench_cluster.sh: $*" >&2; exit 2; }
@@ -62,6 +66,7 @@ while [ $# -gt 0 ]; do
     --profile-max-size) PROFILE_MAX="$2"; shift 2 ;;
     --profile-iters) PROFILE_ITERS="$2"; shift 2 ;;
     --profile-rounds) PROFILE_ROUNDS="$2"; shift 2 ;;
+    --run) RUN="$2"; shift 2 ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
@@ -77,6 +82,7 @@ command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 \
 [[ "$TIMEOUT" =~ ^[0-9]+$ && "$TIMEOUT" -ge 10 ]] || die "--timeout must be >= 10 seconds, got '$TIMEOUT'"
 [[ "$SUBNET" =~ ^10\.[0-9]+\.[0-9]+$ ]] || die "--subnet must be a private 10.x.y prefix, got '$SUBNET'"
 [[ "$TAG" =~ ^[a-z][a-z0-9]{0,7}$ ]] || die "--tag must be 1-8 lowercase letters/digits, got '$TAG'"
+[[ "$RUN" == cluster || "$RUN" == timeline ]] || die "--run must be cluster or timeline, got '$RUN'"
 
 # ----- cleanup: everything created below, whatever happens -----------------------------
 NAMESPACES=()
@@ -155,6 +161,10 @@ launch() {
   return "$status"
 }
 
+if [ "$RUN" = timeline ]; then
+  launch 29513 -m lins_dtensor.bench.timeline "${BENCH_ARGS[@]}"
+  exit 0
+fi
 echo "bench_cluster.sh: profiling collectives (planner bandwidth table)" >&2
 launch 29511 -m lins_dtensor.planner profile --out "$OUT/bandwidth.json" \
   --max-size "$PROFILE_MAX" --iters "$PROFILE_ITERS" --rounds "$PROFILE_ROUNDS" --ranks-per-node "$RPN"

@@ -707,3 +707,35 @@ def test_targets_pool_recorded_runs_by_round():
     spread = pooled_interval([(1.0, 1.2, 1.4, 1.6, 1.8), (1.1, 1.3, 1.5, 1.7, 1.9)])
     assert spread[1] < spread[0] < spread[2] and spread[0] == pytest.approx(1.45)
     assert main([str(r) for r in runs]) == 0
+
+
+@pytest.mark.timeout(300)
+def test_timeline_records_a_lins_step_collective_by_collective(tmp_path):
+    """``bench.timeline`` on 4 processes as 2 "nodes" of 2 (p=1,g=2,os=4, int8 gradients
+    across the nodes, 2 micro-batches): every rank's marks run in the step's order, every
+    collective of the step is there with its format, ends after it starts and was
+    exposed no longer than it took, and the int8 reduce-scatter across the nodes (OS is
+    sharded over both) is among them."""
+    from titan_runs import env
+
+    out = tmp_path / "timeline.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "lins_dtensor.bench.timeline",
+           "--model", "tiny", "--seq-len", "16", "--plan", "p=1,g=2,os=4", "--formats", "grads=int8", "--microbatches", "2",
+           "--warmup", "1", "--steps", "2", "--ranks-per-node", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "rank 0: step walls" in proc.stdout and "optim_reduce_scatter" in proc.stdout
+    recorded = json.loads(out.read_text())
+    assert len(recorded["ranks"]) == 4 and recorded["args"]["formats"] == "grads=int8"
+    order = ["start", "forward 0", "backward 0", "forward 1", "backward 1", "clip", "optimizer"]
+    for steps in recorded["ranks"]:
+        assert len(steps) == 2
+        for step in steps:
+            names, times = zip(*step["marks"])
+            assert list(names) == order and list(times) == sorted(times) and times[0] == 0.0
+            assert step["wall_s"] >= times[-1]
+            for c in step["collectives"]:
+                assert c["end_s"] is not None and c["end_s"] >= c["start_s"], c
+                assert c["exposed_s"] is None or c["exposed_s"] <= c["end_s"] - c["start_s"] + 1e-3, c
+            kinds = {(c["name"], c["link"], c["format"]) for c in step["collectives"]}
+            assert ("optim_reduce_scatter", "inter", "int8") in kinds and ("update_gather_grad", "intra", "exact") in kinds, kinds

@@ -169,24 +169,33 @@ class Instance:
         self.losses: dict[int, float] = {}
         self.comm_times: dict[int, list[dict]] = {}  # Lins' exposed / hidden seconds per state, per timed step
 
-    def step(self, microbatches: int, measure_states: bool = False, barrier: bool = True) -> float:
+    def step(self, microbatches: int, measure_states: bool = False, barrier: bool = True,
+             marks: list[tuple[str, float]] | None = None) -> float:
         """One optimizer step; returns the slowest rank's wall time. ``measure_states``
         reads the model-state bytes after the optimizer (warm-up steps only, so that the
         timed steps do no accounting). ``barrier=False`` starts the clock as soon as the
-        previous step ended on this rank, with its work still in flight."""
+        previous step ended on this rank, with its work still in flight. ``marks`` gets
+        this rank's ``time.perf_counter()`` at the start and after each part of the step
+        (:mod:`.timeline`)."""
         ma = MODEL_SIZES[self.args.model]
         b = self.built
+        mark = (lambda _: None) if marks is None else (lambda what: marks.append((what, time.perf_counter())))
         if barrier:
             dist.barrier()
         start = time.perf_counter()
+        mark("start")
         for mb in range(microbatches):
             tokens = batch(self.step_count, self.rank, mb, ma.vocab_size, self.args.seq_len, self.args.batch_size)
             ctx = b.microbatch_context(mb, microbatches) if b.microbatch_context else contextlib.nullcontext()
             with ctx:
                 loss = loss_fn(b.model, tokens) / microbatches
+                mark(f"forward {mb}")
                 loss.backward()
+                mark(f"backward {mb}")
         b.clip()
+        mark("clip")
         b.optimizer.step()
+        mark("optimizer")
         if measure_states:
             self.state_bytes[microbatches] = b.state_bytes()
         b.optimizer.zero_grad(set_to_none=True)
