@@ -44,13 +44,11 @@ import argparse
 import gc
 import sys
 import time
-import warnings
 
-import torch
 import torch.distributed as dist
 
 from lins_dtensor import LinsPlan
-from lins_dtensor.bench.measure import Instance, InRunProbe, Ranks, SharedGroups, calibrate, log, summarize_times
+from lins_dtensor.bench.measure import Instance, InRunProbe, Ranks, SharedGroups, calibrate, log, run_in_job, summarize_times
 from lins_dtensor.bench.model import MODEL_SIZES
 from lins_dtensor.bench.planning import Overlap, Planning, bench_model_spec, calibrated_hardware
 from lins_dtensor.bench.report import RowSpec, make_row, run_meta, write_results
@@ -125,14 +123,7 @@ def split_strategies(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        return run(args)
-    finally:
-        dist.destroy_process_group()
+    return run_in_job(run, parse_args(sys.argv[1:] if argv is None else argv))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import gc
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -63,6 +64,18 @@ class Ranks(NamedTuple):
     @property
     def nodes(self) -> int:
         return self.world // self.per_node
+
+
+def run_in_job(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``body(args)`` in the launcher's job (torchrun): one thread per rank, warnings off,
+    on a gloo process group destroyed afterwards, whatever happens."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        return body(args)
+    finally:
+        dist.destroy_process_group()
 
 
 class SharedGroups:

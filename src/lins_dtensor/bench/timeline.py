@@ -18,13 +18,11 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
-import torch
 import torch.distributed as dist
 
 from lins_dtensor.bench.cluster import lins_strategy
-from lins_dtensor.bench.measure import Instance, Ranks, SharedGroups
+from lins_dtensor.bench.measure import Instance, Ranks, SharedGroups, run_in_job
 from lins_dtensor.bench.model import MODEL_SIZES
 from lins_dtensor.bench.strategies import Strategies
 from lins_dtensor.stats import lins_stats
@@ -85,27 +83,25 @@ def text(rank: int, steps: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run(args: argparse.Namespace) -> int:
+    """Record every rank's steps; rank 0 prints and writes them."""
+    job = Ranks.of_job()
+    ranks = Ranks(job.rank, job.world, args.ranks_per_node or job.per_node)
+    steps = record(args, ranks)
+    every = [None] * ranks.world
+    dist.all_gather_object(every, steps)
+    if ranks.rank == 0:
+        for r in (int(x) for x in args.show_ranks.split(",") if x.strip()):
+            print(text(r, every[r]), flush=True)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "ranks": every}, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        job = Ranks.of_job()
-        ranks = Ranks(job.rank, job.world, args.ranks_per_node or job.per_node)
-        steps = record(args, ranks)
-        every = [None] * ranks.world
-        dist.all_gather_object(every, steps)
-        if ranks.rank == 0:
-            for r in (int(x) for x in args.show_ranks.split(",") if x.strip()):
-                print(text(r, every[r]), flush=True)
-            if args.json:
-                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-                with open(args.json, "w") as f:
-                    json.dump({"args": vars(args), "ranks": every}, f, indent=1)
-        return 0
-    finally:
-        dist.destroy_process_group()
+    return run_in_job(run, parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
