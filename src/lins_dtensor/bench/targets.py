@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lins_dtensor.bench.report import COMPRESSED_TARGETS
+from lins_dtensor.bench.report import COMPRESSED_TARGETS, exact_target
 
 COMPRESSED = "lins-planner-compressed"
 RESAMPLES = 4000
@@ -82,9 +82,7 @@ def run_ratios(run_dir: str | Path) -> dict[tuple[int, str, str], RunRatio]:
 
 def target_of(m: int, kind: str) -> float:
     """The speed-up a target asks for."""
-    if kind == "ddp-bf16-hook":
-        return COMPRESSED_TARGETS["ddp_bf16_hook"]
-    return COMPRESSED_TARGETS["exact_m1" if m == 1 else "exact_m_more"]
+    return COMPRESSED_TARGETS["ddp_bf16_hook"] if kind == "ddp-bf16-hook" else exact_target(m)
 
 
 def pooled_interval(runs: list[tuple[float, ...]], resamples: int = RESAMPLES, level: float = LEVEL,
