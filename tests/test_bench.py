@@ -712,11 +712,14 @@ def test_targets_pool_recorded_runs_by_round():
 @pytest.mark.timeout(300)
 def test_timeline_records_a_lins_step_collective_by_collective(tmp_path):
     """``bench.timeline`` on 4 processes as 2 "nodes" of 2 (p=1,g=2,os=4, int8 gradients
-    across the nodes, 2 micro-batches): every rank's marks run in the step's order, every
+    across the nodes, 2 micro-batches): every rank's CPU seconds per step are recorded
+    (the share of cores busy is their sum over cores x the wall), every rank's marks run in the step's order, every
     collective of the step is there with its format, ends after it starts and was
     exposed no longer than it took, and the int8 reduce-scatter across the nodes (OS is
     sharded over both) is among them."""
     from titan_runs import env
+
+    from lins_dtensor.bench.timeline import cores_busy
 
     out = tmp_path / "timeline.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "lins_dtensor.bench.timeline",
@@ -725,7 +728,11 @@ def test_timeline_records_a_lins_step_collective_by_collective(tmp_path):
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "rank 0: step walls" in proc.stdout and "optim_reduce_scatter" in proc.stdout
+    assert "share of the" in proc.stdout and "cores busy" in proc.stdout
     recorded = json.loads(out.read_text())
+    busy = cores_busy(recorded["ranks"], 2)
+    assert len(busy) == 2 and all(b > 0 for b in busy)
+    assert cores_busy([[{"cpu_s": 1.0, "wall_s": 1.0}], [{"cpu_s": 0.5, "wall_s": 2.0}]], 2) == [0.75]
     assert len(recorded["ranks"]) == 4 and recorded["args"]["formats"] == "grads=int8"
     order = ["start", "forward 0", "backward 0", "forward 1", "backward 1", "clip", "optimizer"]
     for steps in recorded["ranks"]:

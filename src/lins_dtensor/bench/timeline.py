@@ -3,7 +3,8 @@
 ``bash scripts/bench_cluster.sh --run timeline -- --plan p=1,g=1,os=4 --formats grads=int8 --microbatches 4``
 
 The benchmark gives a row's step time and its exposed and hidden seconds per state; this
-gives their order. For each of ``--steps`` steps, every rank's host marks (each
+gives their order. For each of ``--steps`` steps, every rank's CPU seconds (so the share
+of the host's cores the step kept busy), its host marks (each
 micro-batch's forward and backward, the clip, which waits for the step's gradient
 reductions, the optimizer step, the end) and each collective of the step
 (``lins_stats``: its start, end and exposed seconds on this rank), all in seconds from
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -49,7 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def record(args: argparse.Namespace, ranks: Ranks) -> list[dict]:
-    """This rank's timed steps: wall time, host marks and collectives, from each step's start."""
+    """This rank's timed steps: wall time, CPU seconds of the process (all its threads),
+    host marks and collectives, from each step's start."""
     strategies = Strategies(args.model, ranks, SharedGroups())
     instance = Instance(f"lins:{args.plan}|{args.formats}", lambda: strategies.lins(args.plan, args.formats), args, ranks.rank)
     for _ in range(args.warmup):
@@ -57,16 +60,38 @@ def record(args: argparse.Namespace, ranks: Ranks) -> list[dict]:
     steps = []
     for i in range(args.steps):
         marks: list[tuple[str, float]] = []
+        cpu = time.process_time()
         wall = instance.step(args.microbatches, barrier=i == 0, marks=marks)
+        cpu = time.process_time() - cpu
         start = marks[0][1]
         stats = lins_stats(instance.built.model)
         steps.append({
-            "wall_s": wall, "marks": [(what, t - start) for what, t in marks],
+            "wall_s": wall, "cpu_s": cpu, "marks": [(what, t - start) for what, t in marks],
             "collectives": [{"name": c.name, "state": c.state, "link": c.link, "format": c.format, "bytes": c.message_bytes,
                              "start_s": t.started_at - start, "end_s": None if t.finished_at is None else t.finished_at - start,
                              "exposed_s": t.exposed} for c, t in zip(stats.collectives, stats.timings)],
         })
     return steps
+
+
+def cpu_seconds(every: list[list[dict]]) -> list[float]:
+    """Per step, the CPU seconds of all ranks together."""
+    return [sum(steps[i]["cpu_s"] for steps in every) for i in range(len(every[0]))]
+
+
+def cores_busy(every: list[list[dict]], cores: int) -> list[float]:
+    """Per step, the share of the host's cores that all ranks kept busy: their CPU
+    seconds (every thread, gloo's included) over ``cores`` x the step's wall time. Near
+    1, the step is bound by the cores: on the emulated cluster the ranks' compute,
+    their loopback copies and the codecs share them, so no reordering of collectives
+    can shorten it, only less work on the cores."""
+    return [cpu / (cores * step["wall_s"]) for cpu, step in zip(cpu_seconds(every), every[0])]
+
+
+def cores_text(every: list[list[dict]], cores: int) -> str:
+    busy = ", ".join(f"{b:.2f}" for b in cores_busy(every, cores))
+    cpu = ", ".join(f"{c:.2f}" for c in cpu_seconds(every))
+    return f"all {len(every)} ranks: CPU seconds per step {cpu}; share of the {cores} cores busy {busy}"
 
 
 def text(rank: int, steps: list[dict]) -> str:
@@ -91,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     every = [None] * ranks.world
     dist.all_gather_object(every, steps)
     if ranks.rank == 0:
+        print(cores_text(every, len(os.sched_getaffinity(0))), flush=True)
         for r in (int(x) for x in args.show_ranks.split(",") if x.strip()):
             print(text(r, every[r]), flush=True)
         if args.json:
