@@ -62,14 +62,19 @@ POWERSGD_RANK = 4
 POWERSGD_START_ITER = 2
 
 # The planner's pick with lossy wire formats allowed (lins_dtensor.formats): both
-# formats, or one only; the planner decides where. Gradients are compressed across the
-# nodes only: inside the node a lossy reduction would round the partial sums a second
-# time, a path no convergence run covers (docs/convergence.md). Parameters may be
-# compressed on either level; a value gathered over both in a lossy format is encoded
-# twice, which the time-to-loss table marks when no convergence run trained that way.
+# formats, or one only; the planner decides where. Gradients may be reduced in bf16
+# inside the node too (each rank's gradient rounded once, summed in fp32, the partial
+# sum then encoded again across the nodes, as ZeRO++'s qgZ rounds twice): on the
+# emulated cluster gloo reduce-scatters by all-reducing, so a bf16 all-to-all moves a
+# quarter of the exact bytes over the cores; trained inside the fp32 band with int8
+# and with bf16 across the nodes (docs/convergence.md). Not in int8 inside the node:
+# no convergence run, and the int8 codec costs the cores more than it saves there.
+# Parameters may be compressed on either level; a value gathered over both in a lossy
+# format is encoded twice, which the time-to-loss table marks when no convergence run
+# trained that way.
 FORMAT_STRATEGIES = {
-    "lins-planner-compressed": "grads=bf16|int8,params=bf16|int8,params:intra=bf16|int8",
-    "lins-bf16": "grads=bf16,params=bf16,params:intra=bf16",
+    "lins-planner-compressed": "grads=bf16|int8,grads:intra=bf16,params=bf16|int8,params:intra=bf16|int8",
+    "lins-bf16": "grads=bf16,grads:intra=bf16,params=bf16,params:intra=bf16",
     "lins-int8": "grads=int8,params=int8,params:intra=int8",
 }
 PLANNER_STRATEGIES = ("lins-planner", *FORMAT_STRATEGIES)
