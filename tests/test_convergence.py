@@ -207,3 +207,14 @@ def test_time_to_loss_on_the_cluster_multiplies_each_rows_steps_by_its_step_time
     assert f"| 1 | lins-planner | unlimited | `p=1,g=4,os=8` | `exact` | fp32-seed0 | {exact_steps} | 2.000 | {exact_steps * 2:.0f} |" in text
     assert f"| 1 | ddp-powersgd | unlimited | `-` | `ddp powerSGD rank 4` | ddp-powersgd-seed0 | > {steps} | 0.750 | > {steps * 0.75:.0f} |" in text
     assert "| 4 | lins-planner-compressed | unlimited | `p=1,g=4,os=8` | `grads=bf16` | - | no run | 1.500 | - |" in text
+
+    # A later benchmark run follows the committed one, under its own path and a sub-heading.
+    later = json.loads(json.dumps(cluster))
+    later["strategies"] = [_bench_row("lins-planner", 1, "exact", 4.0)]
+    (tmp_path / "later.json").write_text(json.dumps(later))
+    report(results, doc, cluster=tmp_path / "cluster.json", more_clusters=[tmp_path / "later.json"])
+    text = doc.read_text()
+    first, second = text.split("### Time to loss in the later run " + tmp_path.name)
+    assert "## Time to loss on the emulated cluster" in first and f"(`{tmp_path / 'later.json'}`:" in second
+    assert f"| 1 | lins-planner | unlimited | `p=1,g=4,os=8` | `exact` | fp32-seed0 | {exact_steps} | 4.000 | {exact_steps * 4:.0f} |" in second
+    assert "2.000" not in second

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -423,13 +424,15 @@ def markdown(runs: list[dict], a: dict, plot: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cluster_markdown(a: dict, cluster: dict, steps: int) -> str:
-    """docs/convergence.md's section on wall time to loss (:func:`cluster_time_to_loss`)."""
+def cluster_markdown(a: dict, cluster: dict, steps: int, source: Path = CLUSTER,
+                     heading: str = "## Time to loss on the emulated cluster") -> str:
+    """docs/convergence.md's section on wall time to loss (:func:`cluster_time_to_loss`) for
+    the benchmark run ``cluster``, read from ``source``."""
     meta = cluster["meta"]
     lines = [
-        "", "## Time to loss on the emulated cluster", "",
+        "", heading, "",
         f"Steps to loss (above; the seed-0 run trained as the row trains) times the median step time of the "
-        f"benchmark row (`{CLUSTER}`: {meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['link_rate']} "
+        f"benchmark row (`{source}`: {meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['link_rate']} "
         f"links, model {meta['model']['size']}, {meta['model']['params'] / 1e6:.2f} M parameters). The two come from different setups (the debug LLaMA on 4 ranks here, the "
         "benchmark's model on 8 ranks there): the product says how a format's effect on the steps needed and on "
         "the step time combine, not how long either model takes. A run that never reached the loss in "
@@ -492,9 +495,11 @@ def plot(runs: list[dict], a: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "convergence.md", cluster: Path = ROOT / CLUSTER) -> None:
+def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "convergence.md",
+           cluster: Path = ROOT / CLUSTER, more_clusters: Sequence[Path] = ()) -> None:
     """Write the table and the plot from every JSON in ``results`` (one length and config),
-    with the times to loss on the emulated cluster where ``cluster`` exists."""
+    with the times to loss on the emulated cluster where ``cluster`` exists, and after it
+    those of each benchmark run in ``more_clusters`` (later runs, other runtime code)."""
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
     if not runs:
         raise SystemExit(f"convergence: no runs in {results}")
@@ -506,12 +511,20 @@ def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "converge
     plot(runs, a, png)
     text = markdown(runs, a, png.name)
     if cluster.exists():
-        text += cluster_markdown(a, json.loads(cluster.read_text()), runs[0]["steps"])
+        text += cluster_markdown(a, json.loads(cluster.read_text()), runs[0]["steps"], _shown(cluster))
+    for path in more_clusters:
+        text += cluster_markdown(a, json.loads(path.read_text()), runs[0]["steps"], _shown(path),
+                                 heading=f"### Time to loss in the later run {path.parent.name}")
     doc.write_text(text)
     for r in a["rows"]:
         print(f"{r.name:24s} {r.plan:14s} {r.formats:22s} final {_fmt(r.final)} (last {LAST}: {_fmt(r.final_mean)}) "
               f"gap {_fmt(r.smooth_gap)} raw {_fmt(r.raw_gap)} time-to-loss {r.ttl}")
     print(f"tolerance {_fmt(a['tolerance'])}; wrote {doc} and {png}")
+
+
+def _shown(path: Path) -> Path:
+    """``path`` as the docs name it: relative to the checkout where it lies inside it."""
+    return path.relative_to(ROOT) if path.is_absolute() and path.is_relative_to(ROOT) else path
 
 
 def split_trainer_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -531,12 +544,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, required=True, help="torchtitan 0.2.2's --debug.seed (initial weights)")
     p.add_argument("--config", default=CONFIG)
     p.add_argument("--nproc", type=int, default=4)
-    sub.add_parser("report", help="docs/convergence.md and .png from the JSON files")
+    p = sub.add_parser("report", help="docs/convergence.md and .png from the JSON files")
+    p.add_argument("--also-cluster", type=Path, nargs="*", default=[], metavar="CLUSTER_JSON",
+                   help=f"further benchmark runs whose times to loss follow {CLUSTER}'s")
     args = parser.parse_args(argv)
     if args.cmd == "run":
         run(args.name, args.seed, extra, args.config, args.nproc)
     else:
-        report()
+        report(more_clusters=args.also_cluster)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ STRATEGIES = ("lins-planner", *FORMAT_STRATEGIES, "lins-fsdp", "lins-zero1", "li
 DDP_STRATEGIES = ("ddp", "ddp-bf16-hook", "ddp-powersgd")
 DESCRIPTIONS = {
     "lins-planner": "Lins, the planner's plan",
-    "lins-planner-compressed": "Lins, the planner's plan and wire formats (bf16 or int8 allowed on every collective)",
+    "lins-planner-compressed": "Lins, the planner's plan and wire formats (bf16 or int8 allowed on every collective, gradients inside a node bf16 at most)",
     "lins-bf16": "Lins, the planner's plan and formats with bf16 allowed",
     "lins-int8": "Lins, the planner's plan and formats with int8 allowed",
     "lins-fsdp": "Lins, fsdp preset (FSDP-equivalent plan)",
