@@ -18,9 +18,13 @@ for (exposed) rather than spent computing (hidden). Each runs inside a profiler 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import os
+import sys
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -284,6 +288,7 @@ class Flight:
         # cannot take the GIL any more). The finish time is when the host sees the work
         # completed instead (completed(), polled at every Lins hook, or join()).
         self.joined = False
+        _track_until_exit(self)
 
     def completed(self) -> bool:
         """CPU: has gloo finished it, so that what depends on it can start without
@@ -312,6 +317,61 @@ class Flight:
                 self.timing.exposed += time.perf_counter() - start
                 self.timing.mark_finished()
         self.joined = True
+
+
+# ----- In flight when the interpreter exits ---------------------------------------------
+# A loop may end with collectives still running: the last step's update gathers always
+# are (each unit's next forward would wait for its own). c10d's work then holds their
+# tensors on gloo's (or NCCL's watchdog) thread, and if the interpreter's shutdown drops
+# Lins' last reference first, that thread frees the tensors after the interpreter stopped
+# taking the GIL: the thread cannot release their Python objects and the process aborts
+# ("terminate called without an active exception" in ~AsyncAllgatherWork, seen one
+# torchtitan run in eight). torch's destroy_process_group waits only for works with
+# Python hooks (ProcessGroup._wait_for_pending_works); Lins waits for its own at exit.
+_LIVE_FLIGHTS: weakref.WeakSet[Flight] = weakref.WeakSet()
+_exit_hook_registered = False
+# After the last work completes, the time c10d's thread may take to drop its reference
+# to it (microseconds, longer when the thread is descheduled on a busy host).
+_RELEASE_GRACE_S = 0.1
+
+
+def _track_until_exit(flight: Flight) -> None:
+    global _exit_hook_registered
+    _LIVE_FLIGHTS.add(flight)
+    if not _exit_hook_registered:
+        atexit.register(finish_in_flight_at_exit)
+        _exit_hook_registered = True
+
+
+def finish_in_flight_at_exit() -> None:
+    """Registered with :mod:`atexit`: wait for every Lins collective still running, so
+    that c10d's threads are done with its tensors before the interpreter shuts down.
+
+    A rank leaving on an uncaught exception does not wait (its peers may never start the
+    same collectives; they learn of the failure from torchrun): it ends at once, past the
+    interpreter's shutdown, with exit status 1. A collective that fails here (a peer gone)
+    is named on one line and the rank ends with status 1 the same way."""
+    live = list(_LIVE_FLIGHTS)
+    if not live:
+        return
+    running = [f for f in live if not f.joined and not f.work.is_completed()]
+    if running and getattr(sys, "last_value", None) is not None:
+        _end_now(f"lins: exiting on an uncaught exception with {len(running)} collective(s) in flight "
+                 f"(e.g. {running[0].spec.name}): not waiting for them")
+    for flight in running:
+        try:
+            flight.join()  # CPU: the host blocks until gloo is done (naming a failure)
+        except RuntimeError as error:
+            _end_now(f"{error} (at exit)")
+        while not flight.work.is_completed():  # a device: join() only ordered the side stream
+            time.sleep(0.001)
+    time.sleep(_RELEASE_GRACE_S)
+
+
+def _end_now(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 # ----- Lins' own collectives: asynchronous, recorded ---------------------------------
