@@ -46,6 +46,17 @@ def test_ranks_that_exit_before_a_late_peer_wait_for_their_collectives():
     assert out.count("collectives running at shutdown: 0") == 4, out[-3000:]
 
 
+@pytest.mark.timeout(120)
+def test_a_reduce_scatter_on_gloo_is_seen_completed_without_blocking_and_sums_as_torch():
+    """gloo's own reduce-scatter work never reports is_completed(): the executor, which
+    polls on CPU, could start nothing after it until the host blocked. Lins' reduce-scatter
+    is polled to completion, and its result is bitwise torch's (odd size, 4 ranks)."""
+    from collective_scenarios import polled_reduce_scatter
+    from distributed import run
+
+    assert run(polled_reduce_scatter, 4, 1001) == {"seen_completed": True, "bitwise": True, "input_kept": True}
+
+
 class _Work:
     def __init__(self, done: bool) -> None:
         self.done = done
@@ -60,6 +71,7 @@ class _Flight:
     def __init__(self, done: bool, fails: bool = False) -> None:
         self.work, self.joined, self.fails = _Work(done), False, fails
         self.spec = type("Spec", (), {"name": "update_gather_params"})()
+        self.stream = type("Stream", (), {"on_device": False})()
 
     def join(self) -> None:
         if self.fails:
@@ -100,6 +112,22 @@ def test_at_exit_running_collectives_are_waited_for(exit_hook, monkeypatch):
     monkeypatch.delattr("sys.last_value", raising=False)
     flights = [_Flight(done=True), _Flight(done=False)]
     assert exit_hook(flights) == [] and flights[1].joined and not flights[0].joined
+
+
+def test_at_exit_c10d_gets_its_grace_even_when_every_collective_was_waited_for(exit_hook, monkeypatch):
+    """The torchtitan trainer waits for its last update gathers and shuts down
+    milliseconds later, while gloo's thread may still hold a completed gather (the abort
+    one run in eight): the grace is slept whatever the host has waited for."""
+    from lins_dtensor import collectives
+
+    monkeypatch.delattr("sys.last_value", raising=False)
+    monkeypatch.setattr(collectives, "_RELEASE_GRACE_S", 0.25)
+    slept: list[float] = []
+    monkeypatch.setattr(collectives.time, "sleep", slept.append)
+    joined = _Flight(done=True)
+    joined.joined = True
+    assert exit_hook([joined]) == [] and slept == [0.25]
+    assert exit_hook([]) == [] and slept == [0.25, 0.25]
 
 
 def test_an_uncaught_exception_ends_the_rank_at_once_without_waiting(exit_hook, monkeypatch, capfd):

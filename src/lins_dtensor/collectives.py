@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -280,8 +281,10 @@ class Flight:
     reads and writes are held by whoever started it until it is joined (and, with
     NCCL, by c10d until its work is waited on)."""
 
-    def __init__(self, work: dist.Work, spec: CollectiveSpec, timing: CommTiming, stream: CommStream) -> None:
+    def __init__(self, work: dist.Work, spec: CollectiveSpec, timing: CommTiming, stream: CommStream,
+                 on_join: Callable[[], object] | None = None) -> None:
         self.work, self.spec, self.timing, self.stream = work, spec, timing, stream
+        self._on_join = on_join  # CPU: what completes the collective once its work is done
         # No Python callback on the work's future: gloo would run it on its own thread,
         # and one that runs (or is freed) there after the interpreter began to shut down
         # aborts the process ("terminate called without an active exception": the thread
@@ -316,6 +319,8 @@ class Flight:
                 self.work.wait()
                 self.timing.exposed += time.perf_counter() - start
                 self.timing.mark_finished()
+                if self._on_join is not None:
+                    self._on_join()
         self.joined = True
 
 
@@ -326,13 +331,16 @@ class Flight:
 # Lins' last reference first, that thread frees the tensors after the interpreter stopped
 # taking the GIL: the thread cannot release their Python objects and the process aborts
 # ("terminate called without an active exception" in ~AsyncAllgatherWork, seen one
-# torchtitan run in eight). torch's destroy_process_group waits only for works with
-# Python hooks (ProcessGroup._wait_for_pending_works); Lins waits for its own at exit.
+# torchtitan run in eight). A work the host has waited for is not safe yet either: gloo
+# marks it completed before its thread drops its own reference, and a run that waits
+# for its last gathers (LinsTrainer.train) reaches the shutdown milliseconds later.
+# torch's destroy_process_group waits only for works with Python hooks
+# (ProcessGroup._wait_for_pending_works); Lins waits for its own at exit.
 _LIVE_FLIGHTS: weakref.WeakSet[Flight] = weakref.WeakSet()
 _exit_hook_registered = False
 # After the last work completes, the time c10d's thread may take to drop its reference
-# to it (microseconds, longer when the thread is descheduled on a busy host).
-_RELEASE_GRACE_S = 0.1
+# to it (microseconds; longer when the thread is descheduled on a busy host).
+_RELEASE_GRACE_S = 0.2
 
 
 def _track_until_exit(flight: Flight) -> None:
@@ -344,17 +352,15 @@ def _track_until_exit(flight: Flight) -> None:
 
 
 def finish_in_flight_at_exit() -> None:
-    """Registered with :mod:`atexit`: wait for every Lins collective still running, so
-    that c10d's threads are done with its tensors before the interpreter shuts down.
+    """Registered with :mod:`atexit` once this process starts a Lins collective: wait for
+    every one still running, then give c10d's threads the grace to drop their references
+    to the last ones, so that none frees their tensors after the interpreter shut down.
 
     A rank leaving on an uncaught exception does not wait (its peers may never start the
     same collectives; they learn of the failure from torchrun): it ends at once, past the
     interpreter's shutdown, with exit status 1. A collective that fails here (a peer gone)
     is named on one line and the rank ends with status 1 the same way."""
-    live = list(_LIVE_FLIGHTS)
-    if not live:
-        return
-    running = [f for f in live if not f.joined and not f.work.is_completed()]
+    running = [f for f in list(_LIVE_FLIGHTS) if not f.joined and not f.work.is_completed()]
     if running and getattr(sys, "last_value", None) is not None:
         _end_now(f"lins: exiting on an uncaught exception with {len(running)} collective(s) in flight "
                  f"(e.g. {running[0].spec.name}): not waiting for them")
@@ -363,7 +369,9 @@ def finish_in_flight_at_exit() -> None:
             flight.join()  # CPU: the host blocks until gloo is done (naming a failure)
         except RuntimeError as error:
             _end_now(f"{error} (at exit)")
-        while not flight.work.is_completed():  # a device: join() only ordered the side stream
+        # A device: join() only ordered the side stream. (Not on CPU: gloo's
+        # reduce-scatter never reports is_completed(); its wait() is the truth.)
+        while flight.stream.on_device and not flight.work.is_completed():
             time.sleep(0.001)
     time.sleep(_RELEASE_GRACE_S)
 
@@ -376,14 +384,15 @@ def _end_now(message: str) -> None:
 
 # ----- Lins' own collectives: asynchronous, recorded ---------------------------------
 def _start(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, group, message: torch.Tensor, call, step: int | None,
-           op: Op | None = None, fmt: str = "exact", exact_bytes: int | None = None) -> Flight:
+           op: Op | None = None, fmt: str = "exact", exact_bytes: int | None = None,
+           on_join: Callable[[], object] | None = None) -> Flight:
     with record_function(f"lins::{spec.name}"):
         timing = recorder.record(spec, group, message, step, op, fmt, exact_bytes)
         with stream.scope():
             timing.start_event = stream.event_on_side(timing=True)  # None on CPU
             with _naming_failures(spec):
                 work = call()
-        return Flight(work, spec, timing, stream)
+        return Flight(work, spec, timing, stream, on_join)
 
 
 def start_all_gather(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group,
@@ -404,6 +413,19 @@ def start_all_to_all(recorder: CommRecorder, stream: CommStream, spec: Collectiv
 
 
 def start_reduce_scatter(recorder: CommRecorder, stream: CommStream, spec: CollectiveSpec, output: torch.Tensor, input: torch.Tensor, group, step: int | None = None) -> Flight:
+    """``output`` = this rank's chunk of ``input`` summed over ``group``.
+
+    gloo (CPU tensors) has no reduce-scatter of its own: it clones the input, all-reduces
+    the clone and copies this rank's chunk out when the work is waited for
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), and that work never reports
+    ``is_completed()``, so the CPU executor, which polls, could start nothing after it
+    until the host blocked. Lins takes the same three steps around an all-reduce whose
+    work does report it: the same bytes on the wire and bitwise the same sums."""
+    if input.device.type == "cpu" and dist.get_backend(group) == "gloo":
+        summed, chunks, rank = input.clone(), dist.get_world_size(group), dist.get_rank(group)
+        return _start(recorder, stream, spec, group, input,
+                      lambda: dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group, async_op=True), step,
+                      on_join=lambda: output.copy_(summed.chunk(chunks)[rank]))
     return _start(recorder, stream, spec, group, input,
                   lambda: reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True), step)
 
