@@ -284,7 +284,7 @@ class Flight:
     def __init__(self, work: dist.Work, spec: CollectiveSpec, timing: CommTiming, stream: CommStream,
                  on_join: Callable[[], object] | None = None) -> None:
         self.work, self.spec, self.timing, self.stream = work, spec, timing, stream
-        self._on_join = on_join  # CPU: what completes the collective once its work is done
+        self._on_join = on_join  # what completes the collective once its work is done (gloo's reduce-scatter)
         # No Python callback on the work's future: gloo would run it on its own thread,
         # and one that runs (or is freed) there after the interpreter began to shut down
         # aborts the process ("terminate called without an active exception": the thread
@@ -313,6 +313,8 @@ class Flight:
             if self.stream.on_device:
                 with self.stream.scope():
                     self.work.wait()
+                    if self._on_join is not None:
+                        self._on_join()
                 self.timing.end_event = self.stream.event_on_side(timing=True)
             else:
                 start = time.perf_counter()
