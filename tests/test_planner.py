@@ -757,28 +757,30 @@ def test_intra_node_collectives_cannot_hide_where_the_cores_move_them():
     assert evaluate(fsdp, model, cpu, training).step_s == evaluate(fsdp, model, gpu, training).step_s
 
 
-def test_reductions_headed_by_an_intra_node_link_that_cannot_hide_are_exposed_whole():
-    """Where intra-node collectives cannot hide, a unit's cross-node reduction waits for
-    its intra-node head (the G-level reduce-scatter), which completes with the backward,
-    not behind it: the whole reduction chain is exposed (measured on the emulated
-    cluster, docs/benchmark.md "Compressed collectives"). With a cross-node head the
-    chain still hides behind backward."""
+def test_cross_node_reductions_behind_an_intra_node_head_still_hide_behind_backward():
+    """Where intra-node collectives cannot hide, a unit's intra-node head (the G-level
+    reduce-scatter) is charged in full, and the cross-node reductions after it still
+    hide behind the rest of the backward: the executor starts them as soon as it sees
+    the head done. (Until gloo's reduce-scatter was polled to completion, 2026-12-06,
+    they waited for the step and the planner charged the whole chain; on the runs after
+    the fix that over-predicted p=1,g=4,os=4 by 12-17 %, within 2 % without.)"""
     model, training = model_preset("debugmodel"), TrainingSpec(seq_len=256, global_batch_tokens=256 * 8)
     cpu = ClusterSpec(8, 4, dataclasses.replace(hardware_preset("cpu-emulated"), ranks_per_node=4))
     assert cpu.hardware.intra_comm_hides is False
 
-    def step_reductions(cost) -> float:
-        return sum(t for r, t, phase in zip(cost.records, cost.record_s, cost.record_phase)
-                   if phase == "step" and r.link == "inter" and r.name not in UPDATE_GATHERS)
+    def seconds(cost, phase: str, link: str, gathers: bool = False) -> float:
+        return sum(t for r, t, ph in zip(cost.records, cost.record_s, cost.record_phase)
+                   if ph == phase and r.link == link and (r.name in UPDATE_GATHERS) == gathers)
 
     headed = evaluate(LinsPlan.parse("p=1,g=4,os=8", 8), model, cpu, training)  # intra reduce-scatter, then across nodes
-    assert step_reductions(headed) > 0
-    gathers = sum(t for r, t in zip(headed.records, headed.record_s) if r.name in UPDATE_GATHERS)
-    assert headed.exposed_s["step"] >= step_reductions(headed) + max(t for r, t in zip(headed.records, headed.record_s)
-                                                                      if r.name in UPDATE_GATHERS and r.link == "intra")
-    assert headed.exposed_s["step"] <= step_reductions(headed) + gathers
+    assert seconds(headed, "step", "inter") > 0
+    assert headed.exposed_s["backward"] >= seconds(headed, "backward", "intra")  # the head: on the cores, in full
+    # Exposed in the step: the intra-node update gathers in full, the reductions across
+    # the nodes only in part.
+    assert seconds(headed, "step", "intra", gathers=True) < headed.exposed_s["step"]
+    assert headed.exposed_s["step"] < seconds(headed, "step", "inter") + seconds(headed, "step", "intra", gathers=True)
     across = evaluate(LinsPlan.parse("p=1,g=1,os=8", 8), model, cpu, training)  # one reduce-scatter across nodes
-    assert 0 < across.exposed_s["step"] < step_reductions(across)
+    assert 0 < across.exposed_s["step"] < seconds(across, "step", "inter") + seconds(across, "step", "inter", gathers=True)
 
 
 def test_small_budgets_and_byte_counts_keep_their_figures_in_messages():

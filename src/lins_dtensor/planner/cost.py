@@ -16,10 +16,10 @@ runtime sends. Overlap follows who issues each collective (``CollectiveSpec.issu
   next forward (the first unit's always shows). Where the hardware says a collective
   inside a node cannot hide (``intra_comm_hides``: the emulated CPU cluster, whose
   loopback copies run on the cores that compute), Lins' intra-node ones are exposed, and
-  so are its lossy all-to-alls with several ranks on a node (:func:`_can_hide`); a unit's
-  reduction that starts with such a link (G or OS reduce-scattered inside the node
-  first) has its cross-node links exposed too, since they start only once that link,
-  which completes with the backward and not behind it, is done.
+  so are its lossy all-to-alls with several ranks on a node (:func:`_can_hide`); the
+  cross-node links of a chain that starts with such a link still hide behind the rest of
+  the backward (the executor starts them as soon as it sees that link done; until gloo's
+  reduce-scatter was polled to completion, 2026-12-06, they waited for the step).
 
 Lins' collectives in a lossy wire format (``formats``, :mod:`lins_dtensor.formats`) are
 the encoded collectives ``step_collectives`` counts for them, classified by the spec
@@ -66,8 +66,6 @@ PHASES = tuple(p.value for p in Phase)
 # The update gathers (masters back to P), by name: a lossy all-reduce's second half is an
 # all-gather too, but one of the step's reduction chain.
 UPDATE_GATHERS = frozenset((UPDATE_GATHER_OPTIM.name, UPDATE_GATHER_GRAD.name))
-# The links that start a unit's reduction chain: what follows them in the chain waits for them.
-REDUCTION_HEADS = frozenset((GRAD_SHARD_REDUCE_SCATTER.name, OPTIM_REDUCE_SCATTER.name))
 
 
 def network_bytes(record: CollectiveRecord) -> float:
@@ -306,11 +304,9 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
     gathers: dict[str, float] = {}
     reductions: dict[str, float] = {}
     unhidden: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}  # Lins' intra-node collectives where they cannot hide
-    reductions_wait = False  # a Lins reduction's link that cannot hide heads the step's reduction chains
     for r, t, phase, who in zip(records, record_s, record_phase, issuer):
         if who != "fsdp2" and not _can_hide(r, intra_hides):
             part = unhidden[phase]
-            reductions_wait |= r.name in REDUCTION_HEADS
         elif who == "fsdp2":
             part = fsdp[phase]
             fsdp_calls[phase] += r.count
@@ -358,7 +354,7 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
     chain = {**reductions, grads: reductions.get(grads, 0.0) + per_microbatch}
     chain_s, gathers_s = sum(chain.values()), sum(gathers.values())
     first_reduce, first_gather = first_unit
-    if training.reduce_in_backward and not reductions_wait:
+    if training.reduce_in_backward:
         exposed["step"] += charge(max(min(first_reduce, chain_s), chain_s - backward_room), chain)
     else:
         exposed["step"] += charge(chain_s, chain)
