@@ -54,7 +54,7 @@ class _ReportAtShutdown:
 
     # The module's globals may already be None when this runs: bind what it uses.
     def __del__(self, live=collectives._LIVE_FLIGHTS, err=sys.stderr) -> None:
-        running = sum(not (flight.joined or flight.work.is_completed()) for flight in list(live))
+        running = sum(not flight.completed() for flight in list(live))
         err.write(f"rank {self.rank} collectives running at shutdown: {running}\n")
         err.flush()
         self.objects.clear()

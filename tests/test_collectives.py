@@ -73,6 +73,9 @@ class _Flight:
         self.spec = type("Spec", (), {"name": "update_gather_params"})()
         self.stream = type("Stream", (), {"on_device": False})()
 
+    def completed(self) -> bool:
+        return self.joined or self.work.is_completed()
+
     def join(self) -> None:
         if self.fails:
             raise RuntimeError("lins: collective update_gather_params (params) failed: Connection reset by peer")

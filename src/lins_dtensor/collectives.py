@@ -295,7 +295,8 @@ class Flight:
 
     def completed(self) -> bool:
         """CPU: has gloo finished it, so that what depends on it can start without
-        blocking the host? (On a device nothing asks: the side stream orders it.)"""
+        blocking the host? (On a device only the exit hook asks: the side stream orders
+        the rest.)"""
         if self.joined:
             return True
         if self.work.is_completed():
@@ -362,7 +363,7 @@ def finish_in_flight_at_exit() -> None:
     same collectives; they learn of the failure from torchrun): it ends at once, past the
     interpreter's shutdown, with exit status 1. A collective that fails here (a peer gone)
     is named on one line and the rank ends with status 1 the same way."""
-    running = [f for f in list(_LIVE_FLIGHTS) if not f.joined and not f.work.is_completed()]
+    running = [f for f in list(_LIVE_FLIGHTS) if not f.completed()]
     if running and getattr(sys, "last_value", None) is not None:
         _end_now(f"lins: exiting on an uncaught exception with {len(running)} collective(s) in flight "
                  f"(e.g. {running[0].spec.name}): not waiting for them")
@@ -371,8 +372,7 @@ def finish_in_flight_at_exit() -> None:
             flight.join()  # CPU: the host blocks until gloo is done (naming a failure)
         except RuntimeError as error:
             _end_now(f"{error} (at exit)")
-        # A device: join() only ordered the side stream. (Not on CPU: gloo's
-        # reduce-scatter never reports is_completed(); its wait() is the truth.)
+        # A device: join() only ordered the side stream (on CPU it blocked until done).
         while flight.stream.on_device and not flight.work.is_completed():
             time.sleep(0.001)
     time.sleep(_RELEASE_GRACE_S)
