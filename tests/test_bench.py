@@ -619,7 +619,9 @@ def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     what it recorded: the exact rows get the very predictions the run recorded (those
     whose reductions start inside the node too: the rule that exposed their cross-node
     links whole came after the run and went with the reduce-scatter fix of 2026-12-06),
-    but for DDP's (its last gradient bucket does not hide since), DDP's bf16 hook the prediction
+    but for DDP's (its last gradient bucket does not hide since), Lins' plans with P
+    sharded inside the node (their cross-node chains hide behind FSDP2's intra-node
+    collectives on CPU since 2026-12-07: lower), DDP's bf16 hook the prediction
     of its own all-reduce (changed after the run), every pick a
     prediction, and the text marks the rows beyond 20 %. (If the cost model of exact plans
     changes again, this test says so and the docs' figures need the new numbers.)"""
@@ -636,6 +638,8 @@ def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
     for key in [k for k in rows if k[0] in ("lins-planner", "fsdp2", "hsdp", "ddp", "lins-zero1")]:
         if key[0] == "ddp":
             assert rows[key]["predicted_s"] > rows[key]["recorded_s"] * 1.04, key
+        elif key[0] == "lins-planner" and key[2].startswith("p=4,"):
+            assert rows[key]["predicted_s"] < rows[key]["recorded_s"] * 0.9, key
         else:
             assert rows[key]["predicted_s"] == pytest.approx(rows[key]["recorded_s"], rel=1e-9), key
     for m in (1, 4):

@@ -37,7 +37,7 @@ from lins_dtensor.planner.cli import main, model_arg, plan_parser
 from lins_dtensor.planner.compute import ComputeTerm, attention, gemm, model_flops_per_token
 from lins_dtensor.planner.cost import UPDATE_GATHERS, PlanCost
 from lins_dtensor.planner.hardware import hardware_from_json, hardware_preset, hardware_to_json, load_hardware
-from lins_dtensor.planner.models import model_from_text, tensor_parallel_local
+from lins_dtensor.planner.models import decoder_spec, model_from_text, tensor_parallel_local
 from lins_dtensor.planner.profile import (
     GPU_SHAPES, AttentionTiming, GemmTiming, KernelShapes, fit_compute_curve, message_sizes, needed_shapes, parse_size, shape_groups,
 )
@@ -435,6 +435,29 @@ def test_activation_checkpointing_and_overlap_switches():
     assert ckpt.compute_s["backward"] > full.compute_s["backward"]
     assert exposed.step_s > full.step_s
     assert exposed.step_s == pytest.approx(sum(exposed.compute_s.values()) + sum(exposed.comm_s.values()))
+
+
+def test_cross_node_chains_hide_behind_fsdp2_intra_node_collectives_only_where_those_are_the_cores():
+    """P sharded inside the node, G and OS across (p=4,g=8,os=8 on 2 nodes x 4): slower
+    intra-node links lengthen FSDP2's blocking gathers and reduce-scatters. Where those
+    are the cores' copies (cpu-emulated), the links between nodes are free meanwhile, so
+    Lins' cross-node reductions hide more and are exposed less; on GPUs FSDP2's
+    collectives take the room the chain hides in, so they are exposed more."""
+    model = decoder_spec("bench", n_layers=6, dim=256, ffn_dim=768, n_heads=8, vocab_size=2048)
+    plan = LinsPlan(4, 8, 8)
+
+    def step_exposed(name: str, training: TrainingSpec, intra_factor: float) -> tuple[float, float]:
+        hw = hardware_preset(name)
+        hw = dataclasses.replace(hw, intra_bw=hw.intra_bw / intra_factor)
+        cost = evaluate(plan, model, ClusterSpec(8, 4, hw), training)
+        return cost.exposed_s["backward"], cost.exposed_s["step"]
+
+    cpu = TrainingSpec(seq_len=128, param_bytes=4, reduce_bytes=4, activation_bytes=4, overlap_fraction=0.0, lins_overlap_fraction=0.98)
+    (fsdp_fast, step_fast), (fsdp_slow, step_slow) = (step_exposed("cpu-emulated", cpu, f) for f in (1.0, 2.0))
+    assert fsdp_slow > fsdp_fast and step_slow < step_fast
+    gpu = TrainingSpec(seq_len=2048, micro_batch=1)
+    (_, step_fast), (_, step_slow) = (step_exposed("a800", gpu, f) for f in (1.0, 20.0))
+    assert step_slow > step_fast
 
 
 # ----- bandwidth ---------------------------------------------------------------------------

@@ -33,9 +33,10 @@ from lins_dtensor.planner.models import PlannerError, decoder_spec
 from lins_dtensor.planner.training import TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-# The exact run the world-8 figures of docs/calibration.md were stated on (bench/results/
-# cluster.json is the newest run, with the compressed rows).
-BENCH = json.loads((ROOT / "bench" / "results" / "exact-2026-12-01" / "cluster.json").read_text())
+# The world-8 runs docs/calibration.md states its figures on: the first two of today's
+# executor (gloo's reduce-scatter polled to completion, 2026-12-06); earlier runs timed
+# chains that could not move on until the host blocked.
+POST_FIX_RUNS = ["rsfix-2026-12-06", "rsfix-2-2026-12-06"]
 
 MODEL = decoder_spec("small", n_layers=6, dim=256, ffn_dim=768, n_heads=8, vocab_size=2048)
 TRAINING = TrainingSpec(seq_len=128, param_bytes=4, activation_bytes=4, clip_grad_norm=True, overlap_fraction=0.0)
@@ -201,18 +202,16 @@ def test_cli_bad_hardware_file_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def bench_rows(bench: dict = BENCH) -> dict[tuple[str, int], Measurement]:
-    """Each measured Lins plan of an emulated-cluster run, with Lins' own measured
-    exposed communication per state (the other strategies are other runtimes)."""
+def bench_rows(bench: dict) -> dict[tuple[str, int], Measurement]:
+    """Each Lins plan an emulated-cluster run measured exact (its first row), with Lins'
+    own measured exposed communication per state (the other strategies are other
+    runtimes; a lossy row is the same plan in other wire formats)."""
     rows = {}
     for s in bench["strategies"]:
-        if s["instance"].startswith("lins:"):
+        if s["instance"].startswith("lins:") and s.get("formats", "exact") == "exact":
             comm = {state: v["exposed"] for state, v in s["comm_time_s"].items()}
-            rows[(s["plan"], s["microbatches"])] = Measurement(s["plan"], s["step_time_s"]["median"], s["microbatches"], comm)
+            rows.setdefault((s["plan"], s["microbatches"]), Measurement(s["plan"], s["step_time_s"]["median"], s["microbatches"], comm))
     return rows
-
-
-CALIBRATED_ON = ("p=4,g=4,os=8", 4)
 
 
 def calibrate_on(bench: dict, key: tuple[str, int]) -> tuple[CalibrationRun, Calibration, dict, dict]:
@@ -238,50 +237,55 @@ def calibrate_on(bench: dict, key: tuple[str, int]) -> tuple[CalibrationRun, Cal
     return run, cal, errors, preset
 
 
-def calibrate_on_the_budgeted_pick(bench: dict) -> tuple[CalibrationRun, Calibration, dict, dict]:
-    """The world-8 runs: calibrated on the plan the planner chose under the memory budget
-    with 4 micro-batches (p=4,g=4,os=8: P and G inside a node, OS across, so its exposed
-    time per state determines both bandwidths; the M=1 pick, ZeRO-2, sends everything
-    across the nodes and leaves the intra-node bandwidth at the preset's)."""
-    picks = [p["plan"] for p in bench["meta"]["planner"] if p["microbatches"] == 4 and p["budget"] == "0.0625 GiB"]
-    assert picks == [CALIBRATED_ON[0]]
-    return calibrate_on(bench, CALIBRATED_ON)
+def load_bench(name: str) -> dict:
+    return json.loads((ROOT / "bench" / "results" / name / "cluster.json").read_text())
 
 
-def test_bench_calibrate_from_one_plan_predicts_the_others():
-    """The exact run of 2026-12-01: every other plan within 22 %, 5 of the 8 within 15 %,
-    mean 15 %. What stays off is FSDP2's per-unit host time, which a plan with P sharded
-    folds into the fitted efficiency, and, since the planner exposes whole a reduction
-    headed by an intra-node link where those cannot hide (dba4c11, from chains traced on
-    today's executor), the plans whose reduction starts inside the node: p=1,g=4,os=4 at
-    M=1 +19 % (-3 % before) and p=1,g=1,os=4 at M=4 +22 % (+10 %); mean 11 % before."""
-    run, cal, errors, preset = calibrate_on_the_budgeted_pick(BENCH)
-    start = run.cluster.hardware
+def mean_abs(errors: dict) -> float:
+    return sum(map(abs, errors.values())) / len(errors)
+
+
+@pytest.mark.parametrize("name", POST_FIX_RUNS)
+def test_bench_calibrate_from_the_budgeted_pick_predicts_the_others(name):
+    """World 8: calibrated on the planner's pick under the 64 MiB budget at M=1
+    (p=4,g=8,os=8: P inside the node, G and OS across, so its exposed time per state
+    pins both bandwidths), the other 10 exact Lins plans of the run come out at mean
+    15 % / 17 % (7 of 10 within 20 % in both runs), closer than the preset on 10 / 9 of
+    them, with the fitted link at 26 MB/s on the 37.5 MB/s rate limit and the fitted
+    efficiency at its bound. Until the cost
+    model let those cross-node chains hide behind FSDP2's intra-node collectives
+    (2026-12-07) the fit put the link at 62-67 MB/s, above its rate, to explain the
+    chain's hidden time, and missed the P-replicated plans by 40-53 %."""
+    bench = load_bench(name)
+    picks = [p["plan"] for p in bench["meta"]["planner"] if p["microbatches"] == 1 and p["budget"] == "0.0625 GiB"]
+    assert picks == ["p=4,g=8,os=8"]
+    run, cal, errors, preset = calibrate_on(bench, ("p=4,g=8,os=8", 1))
     assert cal.fitted == ["efficiency", "inter_bw", "intra_bw"]
-    assert cal.after[0] == pytest.approx(run.measurements[0].step_s, rel=0.03)
-    assert all(abs(errors[k]) < abs(preset[k]) for k in errors), errors
-    assert all(abs(e) < 0.25 for e in errors.values()), errors
-    assert sum(abs(e) < 0.15 for e in errors.values()) >= 5, errors
-    assert sum(map(abs, errors.values())) / len(errors) < 0.16, errors
-    # The link was rate-limited to 300 Mbit/s (37.5 MB/s); gloo on loopback, on a
-    # 2-core host shared by 8 ranks, moves ~0.1 GB/s (the run's bandwidth table).
-    assert cal.hardware.inter_bw == pytest.approx(37.5e6, rel=0.1) and cal.hardware.inter_bw < start.inter_bw
-    assert 0.05e9 < cal.hardware.intra_bw < 0.2e9 < start.intra_bw
-    assert not math.isclose(cal.hardware.efficiency, start.efficiency)
+    # The fit's efficiency stops at its bound (1.0), 7-8 % above the step it read.
+    assert cal.after[0] == pytest.approx(run.measurements[0].step_s, rel=0.1)
+    assert len(errors) == 10 and mean_abs(errors) < 0.2, errors
+    assert sum(abs(e) < 0.2 for e in errors.values()) >= 7, errors
+    assert sum(abs(errors[k]) < abs(preset[k]) for k in errors) >= 9, (errors, preset)
+    # The link between the nodes is rate-limited to 300 Mbit/s (37.5 MB/s).
+    assert 15e6 < cal.hardware.inter_bw < 37.5e6, cal.hardware.inter_bw
 
 
-def test_bench_calibration_round_trip_on_a_second_run_beats_the_preset():
-    """The same round trip on a second run of the same benchmark, same day and script
-    (bench/results/rerun-2026-12-01): the calibration still beats the preset on every
-    plan, but today only 1 of 8 is within 15 % (mean 25 %) and the fitted link (43 MB/s)
-    exceeds its 37.5 MB/s rate: the calibration is only as good as the one plan it
-    reads, and this machine's run-to-run spread at world 8 is of the target's size. The
-    test holds what it must (better than the preset) and a ceiling against drift."""
-    second = json.loads((ROOT / "bench" / "results" / "rerun-2026-12-01" / "cluster.json").read_text())
-    run, cal, errors, preset = calibrate_on_the_budgeted_pick(second)
-    assert cal.fitted == ["efficiency", "inter_bw", "intra_bw"]
-    assert all(abs(errors[k]) < abs(preset[k]) for k in errors), errors
-    assert sum(map(abs, errors.values())) / len(errors) < 0.30, errors
+@pytest.mark.parametrize("name", POST_FIX_RUNS)
+def test_bench_calibration_from_any_plan_but_one_beats_the_preset(name):
+    """World 8, every exact Lins plan of the run as the source in turn: calibrated on any
+    but one, the others' mean error is below the preset's (calibrated 11-24 %, preset
+    35-37 %). The exception is p=1,g=1,os=4 at M=4 (37-44 %): its only traffic across
+    the nodes is one all-reduce of a node's OS shard a step, behind four micro-batches
+    of compute, so one run of it cannot tell the link from the cores."""
+    bench = load_bench(name)
+    means = {}
+    for key in bench_rows(bench):
+        _, _, errors, preset = calibrate_on(bench, key)
+        means[key] = (mean_abs(errors), mean_abs(preset))
+    assert len(means) == 11
+    beaten = {key for key, (calibrated, preset) in means.items() if calibrated < preset}
+    assert set(means) - beaten <= {("p=1,g=1,os=4", 4)}, means
+    assert all(means[key][0] < 0.25 for key in beaten), means
 
 
 WORLD4_RUNS = ["world4-2026-12-01-1", "world4-2026-12-01-2"]
@@ -297,7 +301,7 @@ def test_world4_calibrate_from_one_plan_predicts_the_others_within_20_percent(na
     node is a worse source here: one exposed time per state cannot pin the loopback
     links, which on this host are the cores that compute (p=1,g=2,os=2 at M=1: 26-28 %
     at worst; p=1,g=1,os=2 at M=4: 13.5 % and 17.8 %)."""
-    bench = json.loads((ROOT / "bench" / "results" / name / "cluster.json").read_text())
+    bench = load_bench(name)
     rows = bench_rows(bench)
     worst = {}
     for key in rows:
