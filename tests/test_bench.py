@@ -639,7 +639,7 @@ def test_repredict_rebuilds_a_recorded_runs_planner(capsys):
         if key[0] == "ddp":
             assert rows[key]["predicted_s"] > rows[key]["recorded_s"] * 1.04, key
         elif key[0] == "lins-planner" and key[2].startswith("p=4,"):
-            assert rows[key]["predicted_s"] < rows[key]["recorded_s"] * 0.9, key
+            assert rows[key]["predicted_s"] < rows[key]["recorded_s"] * 0.95, key
         else:
             assert rows[key]["predicted_s"] == pytest.approx(rows[key]["recorded_s"], rel=1e-9), key
     for m in (1, 4):
