@@ -9,9 +9,9 @@ runtime sends. Overlap follows who issues each collective (``CollectiveSpec.issu
   phase (nothing to hide behind); on CPU FSDP2 blocks on them (fraction 0).
 * Lins' own collectives run as chains on its executor, asynchronous on CPU and GPU
   alike, and hide up to ``lins_overlap_fraction`` of the compute they overlap, minus
-  the time FSDP2's collectives hold the links then (on GPUs any of FSDP2's; where
-  intra-node traffic is the cores' copies, those on the chain's links, and FSDP2's
-  exposed time on the other links is room too): a micro-batch's G-level
+  the time FSDP2's collectives hold the links then (all of FSDP2's, but in the
+  backward where intra-node traffic is the cores' copies: there those on the chain's
+  links, and FSDP2's exposed time on the other links is room too): a micro-batch's G-level
   reduce-scatter behind the rest of that micro-batch and the next one; the step
   reductions behind the last micro-batch's backward (the chain of the unit whose
   gradient comes last, the first unit, always shows); the update gathers behind the
@@ -303,7 +303,6 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
     fsdp_on_link: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}  # FSDP2's seconds by link level
     fsdp_calls = dict.fromkeys(PHASES, 0)
     chain_links: set[str] = set()  # the link levels of Lins' reductions (and G-level reduce-scatters)
-    gather_links: set[str] = set()  # and of its update gathers
     grad_shard = 0.0
     norm: dict[str, float] = {}
     gathers: dict[str, float] = {}
@@ -312,10 +311,8 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
     for r, t, phase, who in zip(records, record_s, record_phase, issuer):
         if who != "fsdp2" and not _can_hide(r, intra_hides):
             part = unhidden[phase]
-            if r.name != GRAD_NORM_ALL_REDUCE.name:  # its links are the chain's all the same
-                (gather_links if r.name in UPDATE_GATHERS else chain_links).add(r.link)
-                if r.name == GRAD_SHARD_REDUCE_SCATTER.name:
-                    gather_links.add(r.link)
+            if r.name != GRAD_NORM_ALL_REDUCE.name and r.name not in UPDATE_GATHERS:
+                chain_links.add(r.link)  # its links are the chain's all the same
         elif who == "fsdp2":
             part = fsdp[phase]
             fsdp_calls[phase] += r.count
@@ -323,13 +320,11 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
         elif r.name == GRAD_SHARD_REDUCE_SCATTER.name:
             grad_shard += t
             chain_links.add(r.link)
-            gather_links.add(r.link)  # the micro-batches' but the last run into the next forward
             continue
         elif r.name == GRAD_NORM_ALL_REDUCE.name:
             part = norm
         elif r.name in UPDATE_GATHERS:
             part = gathers
-            gather_links.add(r.link)
         else:
             part = reductions
             chain_links.add(r.link)
@@ -381,7 +376,7 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
     # beside it (measured in three runs at M = 1: the update gathers of p=4,g=8,os=8
     # exposed 0.26-0.28 s a step; with that room its step came out 13-19 % short, without
     # it within 8 %).
-    forward_room = room("forward", gather_links | set(fsdp_on_link["forward"]))
+    forward_room = room("forward", set(fsdp_on_link["forward"]))
     backward_room = room("backward", chain_links)
     # Micro-batches but the last: their G-level reduce-scatter runs until the same unit's
     # next gradient, behind the rest of that backward and the next forward.
