@@ -213,6 +213,7 @@ class Instance:
             self.state_bytes[microbatches] = b.state_bytes()
         b.optimizer.zero_grad(set_to_none=True)
         b.end_step()
+        mark("end")
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         self.losses[microbatches] = float(loss.detach()) * microbatches
