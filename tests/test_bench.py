@@ -739,7 +739,7 @@ def test_timeline_records_a_lins_step_collective_by_collective(tmp_path):
     assert len(busy) == 2 and all(b > 0 for b in busy)
     assert cores_busy([[{"cpu_s": 1.0, "wall_s": 1.0}], [{"cpu_s": 0.5, "wall_s": 2.0}]], 2) == [0.75]
     assert len(recorded["ranks"]) == 4 and recorded["args"]["formats"] == "grads=int8"
-    order = ["start", "forward 0", "backward 0", "forward 1", "backward 1", "clip", "optimizer"]
+    order = ["start", "forward 0", "backward 0", "forward 1", "backward 1", "clip", "optimizer", "end"]
     for steps in recorded["ranks"]:
         assert len(steps) == 2
         for step in steps:

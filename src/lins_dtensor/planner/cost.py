@@ -365,9 +365,7 @@ def _exposed(records, record_s, record_phase, issuer, compute, m: int, training:
         0.37 s shorter than stock HSDP's on the same groups, where taking those out of
         the room predicted the two equal (bench/results/rsfix-2026-12-06)."""
         raw = sum(fsdp[phase].values())
-        if intra_hides:
-            return max(0.0, (training.lins_overlap_fraction * compute[phase] - raw) / m)
-        on_links = sum(t for link, t in fsdp_on_link[phase].items() if link in links)
+        on_links = raw if intra_hides else sum(t for link, t in fsdp_on_link[phase].items() if link in links)
         elsewhere = exposed[phase] * (raw - on_links) / raw if raw else 0.0
         return max(0.0, (training.lins_overlap_fraction * compute[phase] - on_links + elsewhere) / m)
 
