@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lins_dtensor.executor import run_every_chain_to_end
+
 
 # Ranks are forked from a server that imported torch, Lins, torchtitan's trainer and the
 # scenarios once for the whole session: "spawn" (or torchrun) imports them again in
@@ -45,6 +47,10 @@ def _worker(rank: int, world_size: int, port: int, out_path: str, fn, args) -> N
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = fn(*args)
+        # A rank's process ends with os._exit (no atexit): it runs Lins' chains to their
+        # end first, as a real process does at exit, so that no peer waits for a
+        # collective it never issued (the last update gathers of a two-level gather).
+        run_every_chain_to_end()
         if rank == 0:
             torch.save({"result": result}, out_path)
     except BaseException:

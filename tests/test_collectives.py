@@ -13,9 +13,9 @@ from titan_runs import env
 HERE = Path(__file__).resolve().parent
 
 
-def _exit_run(*args: str) -> str:
+def _exit_run(plan: str, *args: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--tee", "3",
-           str(HERE / "exit_scenarios.py"), "p=2,g=4,os=4", *args]
+           str(HERE / "exit_scenarios.py"), plan, *args]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr
     assert "terminate called" not in out and proc.returncode == 0, out[-3000:]
@@ -30,19 +30,26 @@ def test_a_job_that_exits_with_update_gathers_in_flight_ends_cleanly():
     running on gloo's threads while the interpreter shuts down. Nothing of Lins may run
     Python there then: a future callback did, and every rank aborted ("terminate called
     without an active exception", exit -6) after a run that had trained correctly."""
-    out = _exit_run()
+    out = _exit_run("p=2,g=4,os=4")
     assert out.count("updates in flight at exit: True") == 4, out[-3000:]
 
 
 @pytest.mark.timeout(300)
-def test_ranks_that_exit_before_a_late_peer_wait_for_their_collectives():
+@pytest.mark.parametrize("plan", ["p=2,g=4,os=4", "p=1,g=2,os=4"])
+def test_ranks_that_exit_before_a_late_peer_wait_for_their_collectives(plan):
     """Rank 0 starts its last update gathers a second late: ranks whose gathers wait for
     it reach the interpreter's shutdown with them running. Had the shutdown freed Lins'
     references then, gloo's threads would free the gathers' tensors once rank 0 caught
     up, after the interpreter stopped taking the GIL: an abort (the torchtitan run, one
     in eight in CI). Lins waits for them at exit: none is running once shutdown begins
-    (without the wait, rank 2 still had its 5 update gathers running)."""
-    out = _exit_run("late")
+    (without the wait, rank 2 still had its 5 update gathers running).
+
+    With P replicated (p=1,g=2,os=4) each update is a gather across the nodes, then one
+    inside the node, which a rank issues only once the first is done: the other ranks
+    reach their exit with the second not issued, and rank 0, having issued it, failed
+    with "Connection closed by peer" when they ended (the job failed after training
+    well). At exit Lins runs its chains to their end, after destroy_process_group."""
+    out = _exit_run(plan, "late")
     assert out.count("collectives running at shutdown: 0") == 4, out[-3000:]
 
 

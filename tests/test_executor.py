@@ -9,6 +9,7 @@ import torch
 
 from fake_device import FakeDevice
 from lins_dtensor.collectives import CommStream, CommTiming
+import lins_dtensor.executor as executor_module
 from lins_dtensor.executor import Chain, Executor, Request
 from lins_dtensor.stats import LinsStats
 
@@ -126,6 +127,86 @@ def test_a_chain_that_asks_for_an_undeclared_group_is_refused():
 
     with pytest.raises(RuntimeError, match="declared intra"):
         executor.submit(Chain("bad", ["intra"], body(), 0))
+
+
+# ----- at exit --------------------------------------------------------------------------
+@pytest.fixture
+def at_exit(monkeypatch):
+    """finish_at_exit over the executors given, with the collectives' own wait and
+    os._exit stood in for; returns what happened, in order."""
+    ended: list[str] = []
+    monkeypatch.setattr(executor_module, "finish_in_flight_at_exit", lambda: ended.append("flights waited"))
+
+    def end(message: str) -> None:
+        ended.append(message)
+        raise _Ended
+
+    monkeypatch.setattr(executor_module, "end_process_now", end)
+
+    def run(*executors: Executor) -> list[str]:
+        monkeypatch.setattr(executor_module, "_LIVE_EXECUTORS", list(executors))
+        try:
+            executor_module.finish_at_exit()
+        except _Ended:
+            pass
+        return ended
+
+    return run
+
+
+class _Ended(Exception):
+    """``os._exit`` in the tests: the hook stops where the process would have ended."""
+
+
+def test_at_exit_every_chain_issues_what_it_has_left_before_the_collectives_are_waited_for(at_exit, monkeypatch):
+    """A rank leaving after its last step with a gather over the node not yet issued
+    (the one across the nodes still running) would leave its peers waiting in theirs:
+    at exit the chain runs to its end, then the running collectives are waited for."""
+    monkeypatch.delattr("sys.last_value", raising=False)
+    h = Harness()
+    update = h.chain("update", ["inter", "intra"])
+    assert h.issued() == ["update.0@inter"]
+    assert at_exit(h.executor) == ["flights waited"]
+    assert h.issued() == ["update.0@inter", "update.1@intra"] and update.done
+
+
+def test_at_exit_on_an_uncaught_exception_no_chain_issues_more(at_exit, monkeypatch):
+    monkeypatch.setattr("sys.last_value", ValueError("a step failed"), raising=False)
+    h = Harness()
+    h.chain("update", ["inter", "intra"])
+    assert at_exit(h.executor) == ["flights waited"]  # which ends the rank at once (test_collectives)
+    assert h.issued() == ["update.0@inter"]
+
+
+class LostPeer(FakeFlight):
+    def join(self) -> None:
+        raise RuntimeError("lins: collective update_gather_grad (optim) failed: Connection closed by peer")
+
+
+def _update_after_a_lost_peer(log: list) -> Chain:
+    def body():
+        yield Request("inter", lambda: LostPeer(log, "x"))
+        yield Request("intra", lambda: log.append("issue:intra") or FakeFlight(log, "y"))
+
+    return Chain("update", ["inter", "intra"], body(), 0)
+
+
+def test_at_exit_a_chain_that_fails_is_named_and_ends_the_rank(at_exit, monkeypatch):
+    monkeypatch.delattr("sys.last_value", raising=False)
+    executor = Executor(CommStream(torch.device("cpu")), 1 << 30)
+    executor.submit(_update_after_a_lost_peer([]))
+    assert at_exit(executor) == ["lins: collective update_gather_grad (optim) failed: Connection closed by peer (at exit)"]
+
+
+def test_after_a_failed_collective_the_exit_issues_nothing_more(at_exit, monkeypatch):
+    """The program saw the failure (and may have caught it): the groups cannot be
+    trusted, so the exit neither retries the collective nor issues the rest."""
+    monkeypatch.delattr("sys.last_value", raising=False)
+    executor, log = Executor(CommStream(torch.device("cpu")), 1 << 30), []
+    chain = executor.submit(_update_after_a_lost_peer(log))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        executor.wait(chain)
+    assert at_exit(executor) == ["flights waited"] and log == []
 
 
 # ----- on a device: the same executor over fake_device's streams and events ----------------

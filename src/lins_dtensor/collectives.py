@@ -18,7 +18,6 @@ for (exposed) rather than spent computing (hidden). Each runs inside a profiler 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
@@ -109,6 +108,16 @@ class CommTiming:
         return True
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+    """A process group as Lins' collectives see it."""
+
+    size: int
+    nodes: int  # the nodes its ranks span
+    rank: int  # this rank's index in it
+    backend: str
+
+
 class CommRecorder:
     """The record of every collective, by the optimizer step it belongs to.
 
@@ -123,7 +132,7 @@ class CommRecorder:
         self.step = 0  # steps ended so far: the index of the running one
         self._records: dict[int, list[CollectiveRecord]] = {0: []}
         self._timings: dict[int, list[CommTiming]] = {0: []}
-        self._group_info: dict[int, tuple[int, int]] = {}
+        self._groups: dict[int, GroupInfo] = {}
 
     def ended(self, back: int = 1) -> tuple[list[CollectiveRecord], list[CommTiming]]:
         """Records and timings of the step ``back`` steps before the running one."""
@@ -133,24 +142,27 @@ class CommRecorder:
     def last_step(self) -> list[CollectiveRecord]:
         return self.ended(1)[0]
 
-    def describe(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
-        """The ranks of ``group`` and the nodes they span."""
+    def describe(self, group: dist.ProcessGroup | None) -> GroupInfo:
+        """What Lins needs of ``group``, read from torch's registry at its first
+        collective (the registry forgets a group at destroy_process_group, before Lins'
+        last chains run at exit: executor.py)."""
         key = id(group)
-        if key not in self._group_info:
+        if key not in self._groups:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-            self._group_info[key] = (len(ranks), len({r // self.ranks_per_node for r in ranks}))
-        return self._group_info[key]
+            self._groups[key] = GroupInfo(len(ranks), len({r // self.ranks_per_node for r in ranks}),
+                                          dist.get_rank(group), dist.get_backend(group))
+        return self._groups[key]
 
     def record(self, spec: CollectiveSpec, group: dist.ProcessGroup | None, message: torch.Tensor, step: int | None = None,
                op: Op | None = None, fmt: str = "exact", exact_bytes: int | None = None) -> CommTiming:
         """Record one collective of ``spec`` (as ``op`` in wire format ``fmt``, standing
         for ``exact_bytes`` of values, when it runs encoded: :class:`~lins_dtensor.schedule.Encoded`)."""
         step = self.step if step is None else step
-        size, nodes = self.describe(group)
+        info = self.describe(group)
         nbytes = message.numel() * message.element_size()
         timing = CommTiming(spec.name, spec.state, time.perf_counter())
         if step in self._records:  # else: a step already dropped (three steps back)
-            self._records[step].append(CollectiveRecord(spec.name, spec.state, op or spec.op, size, nodes, nbytes, format=fmt, exact_bytes=exact_bytes))
+            self._records[step].append(CollectiveRecord(spec.name, spec.state, op or spec.op, info.size, info.nodes, nbytes, format=fmt, exact_bytes=exact_bytes))
             self._timings[step].append(timing)
         return timing
 
@@ -291,7 +303,7 @@ class Flight:
         # cannot take the GIL any more). The finish time is when the host sees the work
         # completed instead (completed(), polled at every Lins hook, or join()).
         self.joined = False
-        _track_until_exit(self)
+        _LIVE_FLIGHTS.add(self)  # waited for at exit
 
     def completed(self) -> bool:
         """CPU: has gloo finished it, so that what depends on it can start without
@@ -338,47 +350,47 @@ class Flight:
 # marks it completed before its thread drops its own reference, and a run that waits
 # for its last gathers (LinsTrainer.train) reaches the shutdown milliseconds later.
 # torch's destroy_process_group waits only for works with Python hooks
-# (ProcessGroup._wait_for_pending_works); Lins waits for its own at exit.
+# (ProcessGroup._wait_for_pending_works); Lins waits for its own at exit: the executor's
+# exit hook (:func:`lins_dtensor.executor.finish_at_exit`) first runs every chain to its
+# end, then calls :func:`finish_in_flight_at_exit`.
 _LIVE_FLIGHTS: weakref.WeakSet[Flight] = weakref.WeakSet()
-_exit_hook_registered = False
 # After the last work completes, the time c10d's thread may take to drop its reference
 # to it (microseconds; longer when the thread is descheduled on a busy host).
 _RELEASE_GRACE_S = 0.2
 
 
-def _track_until_exit(flight: Flight) -> None:
-    global _exit_hook_registered
-    _LIVE_FLIGHTS.add(flight)
-    if not _exit_hook_registered:
-        atexit.register(finish_in_flight_at_exit)
-        _exit_hook_registered = True
+def leaving_on_an_exception() -> bool:
+    """Whether the interpreter is exiting on an uncaught exception (its peers may never
+    start the same collectives; they learn of the failure from torchrun)."""
+    return getattr(sys, "last_value", None) is not None
 
 
 def finish_in_flight_at_exit() -> None:
-    """Registered with :mod:`atexit` once this process starts a Lins collective: wait for
-    every one still running, then give c10d's threads the grace to drop their references
-    to the last ones, so that none frees their tensors after the interpreter shut down.
+    """At exit: wait for every Lins collective still running, then give c10d's threads
+    the grace to drop their references to the last ones, so that none frees their
+    tensors after the interpreter shut down.
 
-    A rank leaving on an uncaught exception does not wait (its peers may never start the
-    same collectives; they learn of the failure from torchrun): it ends at once, past the
+    A rank leaving on an uncaught exception does not wait: it ends at once, past the
     interpreter's shutdown, with exit status 1. A collective that fails here (a peer gone)
     is named on one line and the rank ends with status 1 the same way."""
     running = [f for f in list(_LIVE_FLIGHTS) if not f.completed()]
-    if running and getattr(sys, "last_value", None) is not None:
-        _end_now(f"lins: exiting on an uncaught exception with {len(running)} collective(s) in flight "
-                 f"(e.g. {running[0].spec.name}): not waiting for them")
+    if running and leaving_on_an_exception():
+        end_process_now(f"lins: exiting on an uncaught exception with {len(running)} collective(s) in flight "
+                        f"(e.g. {running[0].spec.name}): not waiting for them")
     for flight in running:
         try:
             flight.join()  # CPU: the host blocks until gloo is done (naming a failure)
         except RuntimeError as error:
-            _end_now(f"{error} (at exit)")
+            end_process_now(f"{error} (at exit)")
         # A device: join() only ordered the side stream (on CPU it blocked until done).
         while flight.stream.on_device and not flight.work.is_completed():
             time.sleep(0.001)
     time.sleep(_RELEASE_GRACE_S)
 
 
-def _end_now(message: str) -> None:
+def end_process_now(message: str) -> None:
+    """Print ``message`` on one line and end the process with status 1 at once (also
+    past the interpreter's shutdown)."""
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
@@ -423,8 +435,9 @@ def start_reduce_scatter(recorder: CommRecorder, stream: CommStream, spec: Colle
     ``is_completed()``, so the CPU executor, which polls, could start nothing after it
     until the host blocked. Lins takes the same three steps around an all-reduce whose
     work does report it: the same bytes on the wire and bitwise the same sums."""
-    if input.device.type == "cpu" and dist.get_backend(group) == "gloo":
-        summed, chunks, rank = input.clone(), dist.get_world_size(group), dist.get_rank(group)
+    info = recorder.describe(group)
+    if input.device.type == "cpu" and info.backend == "gloo":
+        summed, chunks, rank = input.clone(), info.size, info.rank
         return _start(recorder, stream, spec, group, input,
                       lambda: dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group, async_op=True), step,
                       on_join=lambda: output.copy_(summed.chunk(chunks)[rank]))
@@ -552,9 +565,9 @@ class LinsAllGather(AllGather):
         """How this gather runs in the params format of its group's level (None: exact)."""
         if not input_tensor.is_floating_point():
             return None
-        size, nodes = self.recorder.describe(group)
-        fmt = self.formats.of("params", link_level(nodes))
-        return Encoded.shrinking(spec, fmt, size, input_tensor.numel(), input_tensor.element_size())
+        info = self.recorder.describe(group)
+        fmt = self.formats.of("params", link_level(info.nodes))
+        return Encoded.shrinking(spec, fmt, info.size, input_tensor.numel(), input_tensor.element_size())
 
 
 class _DecodedOnWait(dist.Work):

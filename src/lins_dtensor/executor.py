@@ -50,13 +50,15 @@ side-stream buffer (the optimizer's gradients) marks it used on its stream.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import enum
+import weakref
 from collections.abc import Callable, Generator, Sequence
 
 import torch
 
-from lins_dtensor.collectives import CommStream, CommTiming, Flight
+from lins_dtensor.collectives import CommStream, CommTiming, Flight, end_process_now, finish_in_flight_at_exit, leaving_on_an_exception
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +125,10 @@ class Executor:
         # them in order, so waiting for it waits for all).
         self.holding: list[Chain] = []
         self.last_end: object = None
+        # A collective of this executor failed (a peer gone or timed out): its groups
+        # cannot be trusted again, and at exit nothing more is issued on them.
+        self.failed = False
+        _track_until_exit(self)
 
     # ----- submitting and advancing --------------------------------------------------
     def submit(self, chain: Chain) -> Chain:
@@ -194,6 +200,13 @@ class Executor:
             blocked.update(chain.remaining_dims())
         return held
 
+    def _join(self, flight: Flight) -> None:
+        try:
+            flight.join()
+        except RuntimeError:
+            self.failed = True
+            raise
+
     def _issue(self, chain: Chain) -> None:
         """Start the collective the chain asked for (on the side stream)."""
         with self.stream.scope():
@@ -207,7 +220,7 @@ class Executor:
         after the collective it waited for."""
         with torch.no_grad(), self.stream.scope():
             if chain.flight is not None:
-                chain.flight.join()
+                self._join(chain.flight)
                 chain.flight = None
             else:
                 chain.stage = _ChainStage.RUNNING
@@ -258,13 +271,65 @@ class Executor:
         self.stream.current_waits(self.last_end)
         self.release_inputs()
 
+    def run_chains_to_end(self) -> None:
+        """CPU: issue and wait for everything left of every chain (the host blocks). On
+        an accelerator each chain was enqueued whole when submitted: nothing is left;
+        after a failed collective nothing more is issued (the program has seen its error)."""
+        if not self.stream.on_device and not self.failed:
+            for chain in list(self.chains):
+                self.wait(chain)
+
     def _block_on_oldest(self, chain: Chain) -> None:
         """Block on the first collective in flight up to ``chain``: the one that must
         finish before anything else up to it can move."""
         for other in self.chains:
             if other.flight is not None:
-                other.flight.join()  # returns at once if it completed since the pump
+                self._join(other.flight)  # returns at once if it completed since the pump
                 return
             if other is chain:
                 break
         raise RuntimeError(f"lins: the executor cannot advance chain {chain.name}: nothing in flight ahead of it")
+
+
+# ----- When the process ends --------------------------------------------------------
+# On CPU a chain issues its next collective only when a Lins hook finds the previous one
+# done, so a rank can leave its loop after the last optimizer.step() with collectives of
+# its last update gathers not yet issued that faster peers have issued (a gather over
+# the node after one across the nodes): they wait in them until this process ends, then
+# fail ("Connection closed by peer") and the job fails after training well. At exit
+# every executor first runs its chains to their end, then the collectives still running
+# are waited for (collectives.py says why). This runs after the program's
+# destroy_process_group too: torch stops knowing a destroyed gloo group, but the group
+# Lins holds still runs collectives, and every peer issues the same ones in the same
+# order. Children of torch.multiprocessing skip atexit: a function run there calls
+# wait_for_updates (or run_every_chain_to_end) before it returns.
+_LIVE_EXECUTORS: weakref.WeakSet[Executor] = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _track_until_exit(executor: Executor) -> None:
+    global _exit_hook_registered
+    _LIVE_EXECUTORS.add(executor)
+    if not _exit_hook_registered:
+        atexit.register(finish_at_exit)
+        _exit_hook_registered = True
+
+
+def run_every_chain_to_end() -> None:
+    """Issue and wait for everything left of every live executor's chains (CPU): what a
+    process does before it ends, so that no peer waits for a collective it never issues."""
+    for executor in list(_LIVE_EXECUTORS):
+        executor.run_chains_to_end()
+
+
+def finish_at_exit() -> None:
+    """Registered with :mod:`atexit` once this process builds an executor: every chain
+    run to its end (unless the process leaves on an uncaught exception: its peers may
+    never start the same collectives), a failure named on one line with exit status 1;
+    then :func:`~lins_dtensor.collectives.finish_in_flight_at_exit`."""
+    if not leaving_on_an_exception():
+        try:
+            run_every_chain_to_end()
+        except RuntimeError as error:
+            end_process_now(f"{error} (at exit)")
+    finish_in_flight_at_exit()

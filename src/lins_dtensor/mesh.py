@@ -70,6 +70,14 @@ class LinsMesh:
     # Every rank of the job, on gloo: what the hosts agree on without a device round
     # trip (which parameters took part in a step); one per job (_host_group).
     host_group: dist.ProcessGroup
+    # Each dim's group, resolved once: DeviceMesh.get_group looks it up by name in
+    # torch's registry, which destroy_process_group empties while Lins may still run its
+    # last chains at exit (executor.py).
+    groups: dict[str, dist.ProcessGroup] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        names = self.device_mesh.mesh_dim_names or ()
+        object.__setattr__(self, "groups", {dim: self.device_mesh.get_group(dim) for dim in names})
 
     @property
     def world_size(self) -> int:
@@ -101,7 +109,7 @@ class LinsMesh:
         return coords[self.device_mesh.mesh_dim_names.index(dim)]
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        return self.device_mesh.get_group(dim)
+        return self.groups[dim]
 
     def nodes_spanned(self, dim: str) -> int:
         """Nodes this rank's group along ``dim`` covers (> 1: its collectives cross the
