@@ -23,7 +23,8 @@ cd "$ROOT"
 # FSDP2 against stock FSDP2/HSDP (fp32 and bf16, custom all-gather/reduce-scatter), the
 # overlapped executor under FSDP2 (stream waits, end-of-backward callback), bf16 P cast
 # after a meta-device init, DTensor optimizer states, DCP checkpoints, the process-group
-# timeout setter, the chunk layout, the import gate and no deprecated torch API called:
+# timeout setter, gloo's groups running Lins' last chains after destroy_process_group (at
+# exit), the chunk layout, the import gate and no deprecated torch API called:
 # the private APIs and release differences in compat.py and the FSDP2 setters Lins calls.
 # 2 to 6 minutes per version on 2 shared cores, plus 1.5 to 3.5 to install.
 SUBSET=(
@@ -40,6 +41,7 @@ SUBSET=(
   tests/test_runtime.py::test_optimizer_state_bytes_counts_local_shards_of_dtensor_states
   tests/test_checkpoint.py
   tests/test_errors.py::test_a_stopped_peer_fails_the_collective_within_the_timeout
+  tests/test_collectives.py::test_ranks_that_exit_before_a_late_peer_wait_for_their_collectives
 )
 MIN_FREE_GB=8
 
