@@ -15,9 +15,18 @@ warnings.filterwarnings("ignore", message=".*sequential all_gather operations.*"
 from distributed import run  # noqa: E402
 from scenarios import FsdpRun, LinsRun, reference, train_fsdp, train_lins  # noqa: E402
 
+import lins_dtensor.executor as executor_module  # noqa: E402
 from lins_dtensor import valid_plans  # noqa: E402
 
 STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _no_chains_left_past_the_test(monkeypatch):
+    """Executors a test makes in this process (stand-in collectives, simulated ranks)
+    are forgotten after it: the exit hook would otherwise run their chains to the end
+    when pytest exits, on collectives that cannot complete any more."""
+    monkeypatch.setattr(executor_module, "_WITH_CHAINS_LEFT", {})
 
 
 def _configs(plans, ranks_per_node: int, microbatches=(1, 3), steps: int = STEPS, **extra) -> list[LinsRun]:

@@ -133,9 +133,12 @@ def test_a_chain_that_asks_for_an_undeclared_group_is_refused():
 @pytest.fixture
 def at_exit(monkeypatch):
     """finish_at_exit over the executors given, with the collectives' own wait and
-    os._exit stood in for; returns what happened, in order."""
+    os._exit stood in for; returns what happened, in order. ``issued`` (a function) is
+    what had been issued when the collectives' wait began."""
     ended: list[str] = []
-    monkeypatch.setattr(executor_module, "finish_in_flight_at_exit", lambda: ended.append("flights waited"))
+    seen = {"issued": lambda: []}
+    monkeypatch.setattr(executor_module, "finish_in_flight_at_exit",
+                        lambda: ended.append(f"flights waited after {seen['issued']()}"))
 
     def end(message: str) -> None:
         ended.append(message)
@@ -143,8 +146,9 @@ def at_exit(monkeypatch):
 
     monkeypatch.setattr(executor_module, "end_process_now", end)
 
-    def run(*executors: Executor) -> list[str]:
-        monkeypatch.setattr(executor_module, "_LIVE_EXECUTORS", list(executors))
+    def run(*executors: Executor, issued=lambda: []) -> list[str]:
+        seen["issued"] = issued
+        monkeypatch.setattr(executor_module, "_WITH_CHAINS_LEFT", dict.fromkeys(e for e in executors if e.chains))
         try:
             executor_module.finish_at_exit()
         except _Ended:
@@ -166,16 +170,35 @@ def test_at_exit_every_chain_issues_what_it_has_left_before_the_collectives_are_
     h = Harness()
     update = h.chain("update", ["inter", "intra"])
     assert h.issued() == ["update.0@inter"]
-    assert at_exit(h.executor) == ["flights waited"]
-    assert h.issued() == ["update.0@inter", "update.1@intra"] and update.done
+    assert at_exit(h.executor, issued=h.issued) == ["flights waited after ['update.0@inter', 'update.1@intra']"]
+    assert update.done
+
+
+def test_at_exit_a_rank_that_left_mid_step_issues_nothing_more(at_exit, monkeypatch):
+    """Its peers wait elsewhere (in a collective of the step it left), and would never
+    issue the rest: issuing it would only hang this rank until the timeout."""
+    monkeypatch.delattr("sys.last_value", raising=False)
+    h = Harness()
+    h.chain("update", ["inter", "intra"])
+    h.executor.drain_at_exit = lambda: False
+    assert at_exit(h.executor, issued=h.issued) == ["flights waited after ['update.0@inter']"]
+
+
+def test_at_exit_on_a_device_nothing_is_left_to_issue(at_exit, monkeypatch):
+    monkeypatch.delattr("sys.last_value", raising=False)
+    h = DeviceHarness()
+    h.chain("update", ["inter", "intra"])
+    issued = [e for e in h.log if e.startswith("issue:")]
+    assert issued == ["issue:update.0@inter", "issue:update.1@intra"]  # at submission
+    assert at_exit(h.executor) == ["flights waited after []"] and [e for e in h.log if e.startswith("issue:")] == issued
 
 
 def test_at_exit_on_an_uncaught_exception_no_chain_issues_more(at_exit, monkeypatch):
     monkeypatch.setattr("sys.last_value", ValueError("a step failed"), raising=False)
     h = Harness()
     h.chain("update", ["inter", "intra"])
-    assert at_exit(h.executor) == ["flights waited"]  # which ends the rank at once (test_collectives)
-    assert h.issued() == ["update.0@inter"]
+    # The collectives' wait then ends the rank at once (test_collectives).
+    assert at_exit(h.executor, issued=h.issued) == ["flights waited after ['update.0@inter']"]
 
 
 class LostPeer(FakeFlight):
@@ -206,7 +229,32 @@ def test_after_a_failed_collective_the_exit_issues_nothing_more(at_exit, monkeyp
     chain = executor.submit(_update_after_a_lost_peer(log))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         executor.wait(chain)
-    assert at_exit(executor) == ["flights waited"] and log == []
+    assert at_exit(executor) == ["flights waited after []"] and log == []
+
+
+def test_after_a_collective_failed_to_start_the_exit_issues_nothing_more(at_exit, monkeypatch):
+    monkeypatch.delattr("sys.last_value", raising=False)
+    executor, starts = Executor(CommStream(torch.device("cpu")), 1 << 30), []
+
+    def refused():
+        starts.append("start")
+        raise RuntimeError("lins: collective update_gather_grad (optim) failed: Connection reset by peer")
+
+    def body():
+        yield Request("intra", refused)
+
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        executor.submit(Chain("update", ["intra"], body(), 0))
+    assert at_exit(executor) == ["flights waited after []"] and starts == ["start"]
+
+
+def test_an_executor_with_chains_left_is_held_until_they_are_done():
+    """A model freed before exit still issues its rest there."""
+    h = Harness()
+    h.chain("update", ["inter"])
+    assert h.executor in executor_module._WITH_CHAINS_LEFT
+    h.complete("update.0@inter")
+    assert h.executor not in executor_module._WITH_CHAINS_LEFT
 
 
 # ----- on a device: the same executor over fake_device's streams and events ----------------

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -127,12 +127,14 @@ class CommRecorder:
     is complete once nothing of it is in flight any more, ``ended(2)`` (whose update
     gathers the last step's forward waited for) always is."""
 
-    def __init__(self, ranks_per_node: int) -> None:
+    def __init__(self, ranks_per_node: int, groups: Iterable[dist.ProcessGroup] = ()) -> None:
         self.ranks_per_node = ranks_per_node
         self.step = 0  # steps ended so far: the index of the running one
         self._records: dict[int, list[CollectiveRecord]] = {0: []}
         self._timings: dict[int, list[CommTiming]] = {0: []}
-        self._groups: dict[int, GroupInfo] = {}
+        self._groups: dict[dist.ProcessGroup | None, GroupInfo] = {}
+        for group in groups:  # now, while torch's registry knows them
+            self.describe(group)
 
     def ended(self, back: int = 1) -> tuple[list[CollectiveRecord], list[CommTiming]]:
         """Records and timings of the step ``back`` steps before the running one."""
@@ -143,15 +145,14 @@ class CommRecorder:
         return self.ended(1)[0]
 
     def describe(self, group: dist.ProcessGroup | None) -> GroupInfo:
-        """What Lins needs of ``group``, read from torch's registry at its first
-        collective (the registry forgets a group at destroy_process_group, before Lins'
-        last chains run at exit: executor.py)."""
-        key = id(group)
-        if key not in self._groups:
+        """What Lins needs of ``group``, read from torch's registry once (it forgets a
+        group at destroy_process_group, before Lins' last chains run at exit:
+        executor.py); the mesh's groups are read when the recorder is made."""
+        if group not in self._groups:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-            self._groups[key] = GroupInfo(len(ranks), len({r // self.ranks_per_node for r in ranks}),
-                                          dist.get_rank(group), dist.get_backend(group))
-        return self._groups[key]
+            self._groups[group] = GroupInfo(len(ranks), len({r // self.ranks_per_node for r in ranks}),
+                                            dist.get_rank(group), dist.get_backend(group))
+        return self._groups[group]
 
     def record(self, spec: CollectiveSpec, group: dist.ProcessGroup | None, message: torch.Tensor, step: int | None = None,
                op: Op | None = None, fmt: str = "exact", exact_bytes: int | None = None) -> CommTiming:

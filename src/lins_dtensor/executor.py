@@ -53,7 +53,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import enum
-import weakref
 from collections.abc import Callable, Generator, Sequence
 
 import torch
@@ -125,10 +124,15 @@ class Executor:
         # them in order, so waiting for it waits for all).
         self.holding: list[Chain] = []
         self.last_end: object = None
-        # A collective of this executor failed (a peer gone or timed out): its groups
-        # cannot be trusted again, and at exit nothing more is issued on them.
+        # A collective of this executor failed to start or to finish (a peer gone or
+        # timed out): its groups cannot be trusted again, and at exit nothing more is
+        # issued on them.
         self.failed = False
-        _track_until_exit(self)
+        # Whether the chains left may be run to their end at exit: the runtime says so
+        # only between optimizer steps (a rank that leaves mid-step has peers waiting
+        # elsewhere, in collectives it never issues, who would never issue the rest).
+        self.drain_at_exit: Callable[[], bool] = lambda: True
+        _register_exit_hook()
 
     # ----- submitting and advancing --------------------------------------------------
     def submit(self, chain: Chain) -> Chain:
@@ -137,6 +141,7 @@ class Executor:
             self._enqueue(chain)
             return chain
         self.chains.append(chain)
+        _WITH_CHAINS_LEFT[self] = None
         self.pump()
         return chain
 
@@ -177,6 +182,8 @@ class Executor:
             if chain.stage is _ChainStage.NEW:
                 blocked.add(_START)  # chains start in submission order
         self.chains = [c for c in self.chains if not c.done]
+        if not self.chains:
+            _WITH_CHAINS_LEFT.pop(self, None)
 
     def _advance(self, chain: Chain, blocked: set[str], held: int) -> int:
         while not chain.done:
@@ -204,13 +211,22 @@ class Executor:
         try:
             flight.join()
         except RuntimeError:
-            self.failed = True
+            self._fail()
             raise
+
+    def _fail(self) -> None:
+        """A collective failed: nothing more is issued at exit, so nothing is held for it."""
+        self.failed = True
+        _WITH_CHAINS_LEFT.pop(self, None)
 
     def _issue(self, chain: Chain) -> None:
         """Start the collective the chain asked for (on the side stream)."""
         with self.stream.scope():
-            chain.flight = chain.request.start()
+            try:
+                chain.flight = chain.request.start()
+            except RuntimeError:
+                self._fail()
+                raise
         chain.timings.append(chain.flight.timing)
         chain.request = None
         chain.issued += 1
@@ -274,8 +290,8 @@ class Executor:
     def run_chains_to_end(self) -> None:
         """CPU: issue and wait for everything left of every chain (the host blocks). On
         an accelerator each chain was enqueued whole when submitted: nothing is left;
-        after a failed collective nothing more is issued (the program has seen its error)."""
-        if not self.stream.on_device and not self.failed:
+        after a failed collective, or where :attr:`drain_at_exit` says no, nothing is."""
+        if not self.stream.on_device and not self.failed and self.drain_at_exit():
             for chain in list(self.chains):
                 self.wait(chain)
 
@@ -297,28 +313,32 @@ class Executor:
 # its last update gathers not yet issued that faster peers have issued (a gather over
 # the node after one across the nodes): they wait in them until this process ends, then
 # fail ("Connection closed by peer") and the job fails after training well. At exit
-# every executor first runs its chains to their end, then the collectives still running
-# are waited for (collectives.py says why). This runs after the program's
-# destroy_process_group too: torch stops knowing a destroyed gloo group, but the group
-# Lins holds still runs collectives, and every peer issues the same ones in the same
-# order. Children of torch.multiprocessing skip atexit: a function run there calls
-# wait_for_updates (or run_every_chain_to_end) before it returns.
-_LIVE_EXECUTORS: weakref.WeakSet[Executor] = weakref.WeakSet()
+# every executor with chains left first runs them to their end, then the collectives
+# still running are waited for (collectives.py says why). This runs after the program's
+# destroy_process_group too: torch forgets a destroyed gloo group, but the group object
+# Lins holds still runs collectives (gloo's ProcessGroup.shutdown leaves it usable; seen
+# on torch 2.11, 2.13 and 2.15: scripts/test_torch_versions.sh), and every peer issues
+# the same ones in the same order. Executors with chains left are held here, so that a
+# model freed before exit still issues its rest. Children of torch.multiprocessing skip
+# atexit: a function run there calls wait_for_updates (or run_every_chain_to_end) before
+# it returns. Several models' executors are run to their end in the order they got
+# chains, which may differ between ranks: models that share groups are settled with
+# wait_for_updates before another steps (build_lins_mesh's group_for).
+_WITH_CHAINS_LEFT: dict[Executor, None] = {}  # an ordered set
 _exit_hook_registered = False
 
 
-def _track_until_exit(executor: Executor) -> None:
+def _register_exit_hook() -> None:
     global _exit_hook_registered
-    _LIVE_EXECUTORS.add(executor)
     if not _exit_hook_registered:
         atexit.register(finish_at_exit)
         _exit_hook_registered = True
 
 
 def run_every_chain_to_end() -> None:
-    """Issue and wait for everything left of every live executor's chains (CPU): what a
+    """Issue and wait for everything left of every executor's chains (CPU): what a
     process does before it ends, so that no peer waits for a collective it never issues."""
-    for executor in list(_LIVE_EXECUTORS):
+    for executor in list(_WITH_CHAINS_LEFT):
         executor.run_chains_to_end()
 
 
@@ -330,6 +350,6 @@ def finish_at_exit() -> None:
     if not leaving_on_an_exception():
         try:
             run_every_chain_to_end()
-        except RuntimeError as error:
+        except Exception as error:  # of any kind: named, and the rank ends at once (status 1)
             end_process_now(f"{error} (at exit)")
     finish_in_flight_at_exit()

@@ -62,6 +62,7 @@ class LinsMesh:
         plan (LinsPlan): the plan the mesh was built for.
         ranks_per_node (int): ranks of the job per node (TP ranks included), which tells
             intra-node links from inter-node ones.
+        groups (dict[str, ProcessGroup]): each dim's process group of this rank.
     """
 
     device_mesh: DeviceMesh

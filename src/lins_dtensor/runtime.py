@@ -514,7 +514,9 @@ def wait_for_updates(model: nn.Module) -> None:
     Lins spreads the updated values to the parameters asynchronously after
     ``optimizer.step()``; each unit's forward waits for its own, so training needs no
     call. Call it before reading parameters outside forward (``lins_stats``,
-    ``state_dict`` and checkpoint loading do).
+    ``state_dict`` and checkpoint loading do), and at the end of a function that
+    ``torch.multiprocessing`` runs: its processes skip the :mod:`atexit` hook that
+    issues and waits for Lins' last collectives (:mod:`lins_dtensor.executor`).
 
     Args:
         model (nn.Module): a model :func:`apply_lins` has sharded.
@@ -737,9 +739,10 @@ def apply_lins(
     ctx = ShardContext(
         mesh, plan, param_dtype, reduce_dtype, master_dtype,
         float(mesh.dp_world_size if gradient_divide_factor is None else gradient_divide_factor), device,
-        CommRecorder(mesh.ranks_per_node), stream, Executor(stream, max_inflight_bytes or 0), formats,
+        CommRecorder(mesh.ranks_per_node, mesh.groups.values()), stream, Executor(stream, max_inflight_bytes or 0), formats,
     )
     state = LinsState(ctx, fsdp_root=model if plan.params > 1 else None)
+    ctx.executor.drain_at_exit = lambda: not state.progress.started
     unit_modules = unit_list + [model]
     names = {id(m): n for n, m in model.named_modules()}
     slices = {name: TensorParallelSlice.of(p) for name, p in params.items()}  # before FSDP2 swaps them
