@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fake_device import FakeDevice
+from lins_dtensor import executor as executor_module
 from lins_dtensor.collectives import CommStream, CommTiming
-import lins_dtensor.executor as executor_module
 from lins_dtensor.executor import Chain, Executor, Request
 from lins_dtensor.stats import LinsStats
 

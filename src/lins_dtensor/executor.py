@@ -51,9 +51,10 @@ side-stream buffer (the optimizer's gradients) marks it used on its stream.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import enum
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import torch
 
@@ -207,26 +208,25 @@ class Executor:
             blocked.update(chain.remaining_dims())
         return held
 
-    def _join(self, flight: Flight) -> None:
+    @contextlib.contextmanager
+    def _failing_for_good(self) -> Iterator[None]:
+        """Around starting or joining a collective: if it fails, the executor is failed
+        (nothing more is issued at exit, so nothing is held for it)."""
         try:
-            flight.join()
+            yield
         except RuntimeError:
-            self._fail()
+            self.failed = True
+            _WITH_CHAINS_LEFT.pop(self, None)
             raise
 
-    def _fail(self) -> None:
-        """A collective failed: nothing more is issued at exit, so nothing is held for it."""
-        self.failed = True
-        _WITH_CHAINS_LEFT.pop(self, None)
+    def _join(self, flight: Flight) -> None:
+        with self._failing_for_good():
+            flight.join()
 
     def _issue(self, chain: Chain) -> None:
         """Start the collective the chain asked for (on the side stream)."""
-        with self.stream.scope():
-            try:
-                chain.flight = chain.request.start()
-            except RuntimeError:
-                self._fail()
-                raise
+        with self.stream.scope(), self._failing_for_good():
+            chain.flight = chain.request.start()
         chain.timings.append(chain.flight.timing)
         chain.request = None
         chain.issued += 1
