@@ -134,7 +134,9 @@ def test_a_chain_that_asks_for_an_undeclared_group_is_refused():
 def at_exit(monkeypatch):
     """finish_at_exit over the executors given, with the collectives' own wait and
     os._exit stood in for; returns what happened, in order. ``issued`` (a function) is
-    what had been issued when the collectives' wait began."""
+    what had been issued when the collectives' wait began. The process leaves normally
+    (no ``sys.last_value``) unless a test sets one."""
+    monkeypatch.delattr("sys.last_value", raising=False)
     ended: list[str] = []
     seen = {"issued": lambda: []}
     monkeypatch.setattr(executor_module, "finish_in_flight_at_exit",
@@ -162,11 +164,10 @@ class _Ended(Exception):
     """``os._exit`` in the tests: the hook stops where the process would have ended."""
 
 
-def test_at_exit_every_chain_issues_what_it_has_left_before_the_collectives_are_waited_for(at_exit, monkeypatch):
+def test_at_exit_every_chain_issues_what_it_has_left_before_the_collectives_are_waited_for(at_exit):
     """A rank leaving after its last step with a gather over the node not yet issued
     (the one across the nodes still running) would leave its peers waiting in theirs:
     at exit the chain runs to its end, then the running collectives are waited for."""
-    monkeypatch.delattr("sys.last_value", raising=False)
     h = Harness()
     update = h.chain("update", ["inter", "intra"])
     assert h.issued() == ["update.0@inter"]
@@ -174,18 +175,16 @@ def test_at_exit_every_chain_issues_what_it_has_left_before_the_collectives_are_
     assert update.done
 
 
-def test_at_exit_a_rank_that_left_mid_step_issues_nothing_more(at_exit, monkeypatch):
+def test_at_exit_a_rank_that_left_mid_step_issues_nothing_more(at_exit):
     """Its peers wait elsewhere (in a collective of the step it left), and would never
     issue the rest: issuing it would only hang this rank until the timeout."""
-    monkeypatch.delattr("sys.last_value", raising=False)
     h = Harness()
     h.chain("update", ["inter", "intra"])
     h.executor.drain_at_exit = lambda: False
     assert at_exit(h.executor, issued=h.issued) == ["flights waited after ['update.0@inter']"]
 
 
-def test_at_exit_on_a_device_nothing_is_left_to_issue(at_exit, monkeypatch):
-    monkeypatch.delattr("sys.last_value", raising=False)
+def test_at_exit_on_a_device_nothing_is_left_to_issue(at_exit):
     h = DeviceHarness()
     h.chain("update", ["inter", "intra"])
     issued = [e for e in h.log if e.startswith("issue:")]
@@ -214,17 +213,15 @@ def _update_after_a_lost_peer(log: list) -> Chain:
     return Chain("update", ["inter", "intra"], body(), 0)
 
 
-def test_at_exit_a_chain_that_fails_is_named_and_ends_the_rank(at_exit, monkeypatch):
-    monkeypatch.delattr("sys.last_value", raising=False)
+def test_at_exit_a_chain_that_fails_is_named_and_ends_the_rank(at_exit):
     executor = Executor(CommStream(torch.device("cpu")), 1 << 30)
     executor.submit(_update_after_a_lost_peer([]))
     assert at_exit(executor) == ["lins: collective update_gather_grad (optim) failed: Connection closed by peer (at exit)"]
 
 
-def test_after_a_failed_collective_the_exit_issues_nothing_more(at_exit, monkeypatch):
+def test_after_a_failed_collective_the_exit_issues_nothing_more(at_exit):
     """The program saw the failure (and may have caught it): the groups cannot be
     trusted, so the exit neither retries the collective nor issues the rest."""
-    monkeypatch.delattr("sys.last_value", raising=False)
     executor, log = Executor(CommStream(torch.device("cpu")), 1 << 30), []
     chain = executor.submit(_update_after_a_lost_peer(log))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
@@ -232,8 +229,7 @@ def test_after_a_failed_collective_the_exit_issues_nothing_more(at_exit, monkeyp
     assert at_exit(executor) == ["flights waited after []"] and log == []
 
 
-def test_after_a_collective_failed_to_start_the_exit_issues_nothing_more(at_exit, monkeypatch):
-    monkeypatch.delattr("sys.last_value", raising=False)
+def test_after_a_collective_failed_to_start_the_exit_issues_nothing_more(at_exit):
     executor, starts = Executor(CommStream(torch.device("cpu")), 1 << 30), []
 
     def refused():
