@@ -714,6 +714,31 @@ def test_targets_pool_recorded_runs_by_round():
     assert main([str(r) for r in runs]) == 0
 
 
+def test_targets_pool_only_the_runs_of_a_host_as_fast_as_asked(capsys):
+    """``--max-forward-backward S`` pools the runs whose start-up forward+backward took at
+    most S seconds per micro-batch, says which it left out and how fast each host was,
+    and refuses a limit no run met or one that is not positive, in one line."""
+    from lins_dtensor.bench.targets import host_forward_backward_s, main, pool
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    runs = [results, results / "no-callback-2-2026-12-03"]
+    speeds = [host_forward_backward_s(r) for r in runs]
+    recorded = json.loads((runs[0] / "cluster.json").read_text())["meta"]["calibration"]["forward_backward_s"]
+    assert speeds[0] == recorded and speeds[0] < speeds[1]
+    limit = (speeds[0] + speeds[1]) / 2
+    assert main([str(r) for r in runs] + ["--max-forward-backward", str(limit)]) == 0
+    out = capsys.readouterr().out
+    assert f"{runs[0]}: start-up forward+backward {speeds[0]:.3f} s per micro-batch\n" in out
+    assert f"{runs[1]}: start-up forward+backward {speeds[1]:.3f} s per micro-batch (left out)" in out
+    assert main([str(r) for r in runs] + ["--max-forward-backward", str(limit), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(pool(runs[:1])))
+    for bad, rule in ((str(speeds[0] / 2), "no run was that fast"), ("0", "must be > 0")):
+        with pytest.raises(SystemExit):
+            main([str(r) for r in runs] + ["--max-forward-backward", bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--max-forward-backward {float(bad)}" in err and rule in err
+
+
 @pytest.mark.timeout(300)
 def test_timeline_records_a_lins_step_collective_by_collective(tmp_path):
     """``bench.timeline`` on 4 processes as 2 "nodes" of 2 (p=1,g=2,os=4, int8 gradients
