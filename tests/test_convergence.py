@@ -214,7 +214,7 @@ def test_time_to_loss_on_the_cluster_multiplies_each_rows_steps_by_its_step_time
     (tmp_path / "later.json").write_text(json.dumps(later))
     report(results, doc, cluster=tmp_path / "cluster.json", more_clusters=[tmp_path / "later.json"])
     text = doc.read_text()
-    first, second = text.split("### Time to loss in the later run " + tmp_path.name)
+    first, second = text.split("### Time to loss in the run " + tmp_path.name)
     assert "## Time to loss on the emulated cluster" in first and f"(`{tmp_path / 'later.json'}`:" in second
     assert f"| 1 | lins-planner | unlimited | `p=1,g=4,os=8` | `exact` | fp32-seed0 | {exact_steps} | 4.000 | {exact_steps * 4:.0f} |" in second
     assert "2.000" not in second

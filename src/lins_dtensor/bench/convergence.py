@@ -499,7 +499,7 @@ def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "converge
            cluster: Path = ROOT / CLUSTER, more_clusters: Sequence[Path] = ()) -> None:
     """Write the table and the plot from every JSON in ``results`` (one length and config),
     with the times to loss on the emulated cluster where ``cluster`` exists, and after it
-    those of each benchmark run in ``more_clusters`` (later runs, other runtime code)."""
+    those of each benchmark run in ``more_clusters`` (other runs, of this or earlier runtime code)."""
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
     if not runs:
         raise SystemExit(f"convergence: no runs in {results}")
@@ -514,7 +514,7 @@ def report(results: Path = ROOT / RESULTS, doc: Path = ROOT / "docs" / "converge
         text += cluster_markdown(a, json.loads(cluster.read_text()), runs[0]["steps"], _shown(cluster))
     for path in more_clusters:
         text += cluster_markdown(a, json.loads(path.read_text()), runs[0]["steps"], _shown(path),
-                                 heading=f"### Time to loss in the later run {path.parent.name}")
+                                 heading=f"### Time to loss in the run {path.parent.name}")
     doc.write_text(text)
     for r in a["rows"]:
         print(f"{r.name:24s} {r.plan:14s} {r.formats:22s} final {_fmt(r.final)} (last {LAST}: {_fmt(r.final_mean)}) "
